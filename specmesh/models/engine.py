@@ -1,0 +1,84 @@
+"""The contract every model backend serves: sequences with server-side KV, one ragged forward.
+
+Glossary
+- sequence: one KV history owned by the engine, named by an integer `seq_id`. Its *cached length*
+  is how many tokens are in its KV cache.
+- SeqInput: the new tokens one sequence contributes to a forward. They are appended to its KV.
+  Positions continue from the cached length. With `parents` the new tokens form a tree: token i
+  attends to the cached prefix, to itself and to its ancestors (following `parents`), nothing else;
+  its position is cached_len + depth(i). Without `parents` they form a causal chain.
+- logits_at: indices into the new tokens whose next-token logits are returned, in that order.
+
+Worked example (tree, 2 branches x depth 2 after a cached prompt of 5 tokens):
+    token_ids = [a, b, c, d]      parents = [-1, 0, -1, 2]   (a->b and c->d; -1 = child of prefix)
+    positions = [5, 6, 5, 6]      b sees prefix+a+b; d sees prefix+c+d; c does not see a or b
+After a tree forward the caller keeps one path with `keep_tree_path(seq_id, [2, 3])` (c, d),
+which compacts the KV so the sequence reads prefix + c + d at positions 5, 6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+NO_PARENT = -1  # parents[i] == NO_PARENT: token i hangs directly off the cached prefix
+
+
+class OutOfBlocksError(RuntimeError):
+    """The KV pool has no free block left; services map it to RESOURCE_EXHAUSTED."""
+
+
+class ContextLengthError(ValueError):
+    """A sequence would grow past the model's maximum context; services map it to INVALID_ARGUMENT."""
+
+
+@dataclass
+class SeqInput:
+    seq_id: int
+    token_ids: list[int]  # [num_new]
+    logits_at: list[int]  # indices into token_ids whose next-token logits come back
+    parents: list[int] | None = None  # [num_new] tree parents (NO_PARENT = off the prefix); None = chain
+
+
+@dataclass
+class EngineStats:
+    num_forwards: int = 0  # forward calls (one ragged batch each)
+    num_sequences_forwarded: int = 0  # sum of batch sizes
+    num_tokens_forwarded: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """Implemented by the native Llama-family engine and the HF fallback."""
+
+    vocab_size: int
+    max_context: int  # tokens
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+    dtype: torch.dtype
+    stats: EngineStats
+
+    def new_sequence(self) -> int: ...
+
+    def fork(self, seq_id: int) -> int:
+        """A child sequence sharing the parent's KV prefix (copy-on-write)."""
+        ...
+
+    def seq_len(self, seq_id: int) -> int: ...
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Drop cached tokens past `length` (rollback of rejected tokens)."""
+        ...
+
+    def keep_tree_path(self, seq_id: int, node_indices: Sequence[int]) -> None:
+        """After a tree forward, keep only the given nodes of the last forward's new tokens (a root-to-node
+        path, in order) and drop the rest, so the sequence continues as a plain chain."""
+        ...
+
+    def free(self, seq_id: int) -> None: ...
+
+    def forward(self, batch: Sequence[SeqInput]) -> list[torch.Tensor]:
+        """One forward over a ragged batch; returns per input float32 logits [len(logits_at), vocab]."""
+        ...
