@@ -1,0 +1,153 @@
+"""Exact verification of a chain of draft tokens (speculative sampling).
+
+Papers: Leviathan, Kalman, Matias 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling".
+Trees (several candidates per position) are in `specmesh.decoding.tree` and use the same words.
+
+Glossary
+- draft tokens x_0..x_{k-1}: proposed by the drafter; x_i was drawn from q_i, the drafter's
+  *processed* distribution at position i (temperature / top-k / top-p applied). A deterministic
+  drafter (n-gram lookup) has one-hot q_i, passed as `q=None`.
+- target distributions p_0..p_k: the target's processed distributions from one forward over
+  [last token, x_0, ..., x_{k-1}]; p_i judges x_i, p_k follows x_{k-1}.
+- accepted: x_i is kept with probability min(1, p_i(x_i) / q_i(x_i)), tested in order.
+- rejected: the first x_i that fails its test; it and every later draft token are discarded.
+- recovered token: drawn at the first rejection i from the residual norm(max(0, p_i - q_i)),
+  the part of p_i that q_i under-covers.
+- bonus token: drawn from p_k when all k draft tokens were accepted.
+- final token: the recovered or bonus token; every verification emits num_accepted + 1 tokens.
+
+Why the output follows p exactly: at position i, token y is emitted either as the accepted draft,
+with probability q(y) min(1, p(y)/q(y)) = min(p(y), q(y)), or as the recovered token, with
+probability (1 - sum_z min(p(z), q(z))) * max(0, p(y) - q(y)) / sum_z max(0, p(z) - q(z)). The two
+normalisers are equal (both are the total variation distance), so the sum is
+min(p(y), q(y)) + max(0, p(y) - q(y)) = p(y).
+
+Degenerate residual: max(0, p - q) sums to 0 only if p <= q everywhere, i.e. p == q (both sum to 1).
+Then every draft token drawn from q is accepted with probability 1, so the rejection we are handling
+had probability 0 (it needs float rounding, or a draft token outside q's support). We then draw from
+p itself, the distribution the emitted token must follow anyway.
+
+Greedy (temperature 0): accept while x_i == argmax p_i, then emit the target's argmax. With one-hot
+p the sampling rule reduces to exactly this, but `verify_greedy` needs only the argmax ids.
+
+Randomness: one uniform per draft token for its test, plus one for the final token, drawn up front
+from the request's generator (always k + 1 draws, so the stream stays aligned across outcomes).
+
+Worked example (q = None, i.e. an n-gram draft; vocab of 3):
+    >>> import torch
+    >>> p = torch.tensor([[0.0, 1.0, 0.0],    # p_0: the target is sure of token 1
+    ...                   [0.5, 0.0, 0.5],    # p_1: token 1 impossible here
+    ...                   [0.2, 0.3, 0.5]])   # p_2: bonus row, not reached
+    >>> outcome = verify_sampled([1, 1], None, p, torch.Generator().manual_seed(0))
+    >>> outcome.accepted_token_ids, outcome.final_kind.value   # x_0 kept, x_1 rejected
+    ([1], 'recovered')
+    >>> outcome.final_token_id in (0, 2)   # drawn from norm(max(0, p_1 - onehot(1))) = [0.5, 0, 0.5]
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specmesh.decoding.sampling import sample_with_uniforms
+from specmesh.decoding.types import BatchVerifyOutcome, FinalTokenKind, VerifyOutcome
+
+
+def verify_greedy(draft_ids: Sequence[int], target_ids: Sequence[int]) -> VerifyOutcome:
+    """Accept while draft_ids[i] == target_ids[i]; the final token is the target's at the first
+    mismatch (recovered) or target_ids[k] (bonus).
+
+    draft_ids [k], target_ids [k + 1] = argmax of the target's logits at each row.
+
+    >>> verify_greedy([7, 8, 9], [7, 8, 4, 5]).token_ids
+    [7, 8, 4]
+    """
+    k = len(draft_ids)
+    if len(target_ids) != k + 1:
+        raise ValueError(f"target_ids must have k + 1 = {k + 1} entries, got {len(target_ids)}")
+    num_accepted = 0
+    while num_accepted < k and int(draft_ids[num_accepted]) == int(target_ids[num_accepted]):
+        num_accepted += 1
+    return VerifyOutcome(
+        accepted_nodes=list(range(num_accepted)),
+        accepted_token_ids=[int(t) for t in draft_ids[:num_accepted]],
+        final_token_id=int(target_ids[num_accepted]),
+        final_kind=FinalTokenKind.BONUS if num_accepted == k else FinalTokenKind.RECOVERED,
+    )
+
+
+def verify_sampled(
+    draft_ids: Sequence[int],
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    generator: torch.Generator,
+) -> VerifyOutcome:
+    """Speculative sampling of one sequence (glossary above).
+
+    draft_ids [k]; q [k, vocab] or None (one-hot at the draft tokens); p [k + 1, vocab].
+    The generator must live on p's device.
+    """
+    k = len(draft_ids)
+    draft = torch.as_tensor(list(draft_ids), dtype=torch.long, device=p.device).reshape(1, k)
+    uniforms = draw_uniforms(1, k, generator, p.device)
+    batch = verify_sampled_batch(draft, None if q is None else q[None], p[None], uniforms)
+    num_accepted = int(batch.num_accepted[0])
+    return VerifyOutcome(
+        accepted_nodes=list(range(num_accepted)),
+        accepted_token_ids=[int(t) for t in draft_ids[:num_accepted]],
+        final_token_id=int(batch.final_token_ids[0]),
+        final_kind=FinalTokenKind.BONUS if num_accepted == k else FinalTokenKind.RECOVERED,
+    )
+
+
+def draw_uniforms(batch_size: int, k: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """[batch_size, k + 1] float64 uniforms in [0, 1): k acceptance tests, then the final token."""
+    return torch.rand(batch_size, k + 1, generator=generator, device=device, dtype=torch.float64)
+
+
+def verify_sampled_batch(
+    draft_ids: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> BatchVerifyOutcome:
+    """Speculative sampling of B sequences at once, with the randomness given as uniforms.
+
+    draft_ids [B, k]; q [B, k, vocab] or None (one-hot); p [B, k + 1, vocab];
+    uniforms [B, k + 1]: column i < k tests draft i (accept iff u * q(x) < p(x), which happens with
+    probability min(1, p(x)/q(x))); column k draws the final token by inverse CDF.
+    Rigged uniforms force outcomes in tests; per-request generators fill them in `verify_sampled`.
+    """
+    batch_size, k = draft_ids.shape
+    _check_chain_shapes(batch_size, k, q, p, uniforms)
+    if k > 0 and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= p.shape[-1]):
+        raise ValueError(f"draft token ids must lie in [0, {p.shape[-1]})")
+    rows = torch.arange(batch_size, device=p.device)
+    draft = draft_ids.long()
+    p_draft = p[:, :k].gather(-1, draft[..., None]).squeeze(-1).double()  # [B, k]
+    q_draft = torch.ones_like(p_draft) if q is None else q.gather(-1, draft[..., None]).squeeze(-1).double()
+    accepted = uniforms[:, :k] * q_draft < p_draft  # [B, k]
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B] length of the accepted prefix
+    final_dist = p[rows, num_accepted]  # [B, vocab]: the bonus row where num_accepted == k
+    if k > 0:
+        rejected_at = num_accepted.clamp(max=k - 1)  # [B], meaningful where num_accepted < k
+        if q is None:
+            residual = final_dist.scatter(-1, draft[rows, rejected_at][:, None], 0.0)
+        else:
+            residual = (final_dist - q[rows, rejected_at]).clamp_min(0.0)
+        use_residual = (num_accepted < k) & (residual.sum(dim=-1) > 0)  # [B]
+        final_dist = torch.where(use_residual[:, None], residual, final_dist)
+    final_ids = sample_with_uniforms(final_dist, uniforms[:, k])  # normalises implicitly
+    return BatchVerifyOutcome(num_accepted=num_accepted, final_token_ids=final_ids)
+
+
+def _check_chain_shapes(batch_size: int, k: int, q: torch.Tensor | None, p: torch.Tensor, uniforms: torch.Tensor) -> None:
+    if p.dim() != 3 or p.shape[:2] != (batch_size, k + 1):
+        raise ValueError(f"p must be [B={batch_size}, k+1={k + 1}, vocab], got {tuple(p.shape)}")
+    if q is not None and tuple(q.shape) != (batch_size, k, p.shape[-1]):
+        raise ValueError(f"q must be [B={batch_size}, k={k}, vocab={p.shape[-1]}], got {tuple(q.shape)}")
+    if tuple(uniforms.shape) != (batch_size, k + 1):
+        raise ValueError(f"uniforms must be [B={batch_size}, k+1={k + 1}], got {tuple(uniforms.shape)}")
