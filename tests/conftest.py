@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random models (built once per session) and the default model's folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """`tiny_model_dir(family, **kw)` -> folder of a tiny random model, cached per session."""
+    from specmesh.models.tiny import make_tiny_model
+
+    cache: dict = {}
+
+    def build(family: str, **kwargs):
+        key = (family, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            name = "-".join([family] + [f"{k}{v}" for k, v in sorted(kwargs.items())])
+            cache[key] = make_tiny_model(family, tmp_path_factory.mktemp(name), **kwargs)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The embedded default model (SmolLM2-135M-Instruct) as an HF folder; converted on first use."""
+    from specmesh.models.resolve import resolve_model_spec
+
+    return resolve_model_spec("default")

@@ -1,0 +1,33 @@
+"""Architecture rules that keep the layout honest."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _imported_modules(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+
+
+def test_library_never_imports_grpc():
+    offenders = []
+    for path in (ROOT / "specmesh").rglob("*.py"):
+        if "proto" in path.relative_to(ROOT / "specmesh").parts[:1]:
+            continue
+        if any(m == "grpc" or m.startswith("grpc.") or m.startswith("grpc_") for m in _imported_modules(path)):
+            offenders.append(str(path.relative_to(ROOT)))
+    assert not offenders, f"specmesh/ must not import grpc: {offenders}"
+
+
+def test_stubs_are_fresh():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(ROOT / "protos" / "generate.py"), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
