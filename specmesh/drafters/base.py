@@ -1,0 +1,94 @@
+"""What every drafter offers the coordinator: open a session, propose drafts, close it.
+
+A proposal is a chain (parents None) or a tree of draft tokens plus, for a sampling drafter, the
+exact processed distributions q the tokens were drawn from — what `specmesh.decoding.rejection` /
+`specmesh.decoding.tree` need for exact verification. A deterministic drafter (n-gram lookup)
+returns q = None, meaning one-hot q at each drafted token, which keeps verification lossless.
+
+Session flow (the coordinator's loop):
+    state = drafter.open(prompt_ids)
+    proposal = drafter.propose(state, [first_token], k, params, generator)
+    ... verify ...
+    proposal = drafter.propose(state, outcome.token_ids, k, params, generator)  # accepted + final
+    drafter.close(state)
+`accepted_since_last` is every token the sequence grew by since the previous call (the accepted
+drafts and the target's recovered/bonus token; after prefill, the target's first token). The drafter
+forgets whatever it speculated beyond them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, TypeVar
+
+import torch
+
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.tree import chain_parents, validate_parents
+
+DrafterState = TypeVar("DrafterState")
+
+
+@dataclass
+class DraftProposal:
+    """Draft tokens for one sequence; an empty proposal (k = 0) means "decode one token plainly"."""
+
+    token_ids: list[int]  # [k]
+    q: torch.Tensor | None = None  # [k, vocab] q[i] = what token_ids[i] was drawn from; None = one-hot
+    parents: list[int] | None = None  # [k] tree parents (NO_PARENT = off the last token); None = chain
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def tree_parents(self) -> list[int]:
+        """[k] parents, also for a chain ([NO_PARENT, 0, 1, ...])."""
+        return list(self.parents) if self.parents is not None else chain_parents(self.num_tokens)
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError if the proposal is malformed (it may have come over the wire)."""
+        if any(not 0 <= t < vocab_size for t in self.token_ids):
+            raise ValueError(f"draft token ids must lie in [0, {vocab_size})")
+        if self.q is not None:
+            if tuple(self.q.shape) != (self.num_tokens, vocab_size):
+                raise ValueError(f"q must be [k={self.num_tokens}, vocab={vocab_size}], got {tuple(self.q.shape)}")
+            if self.num_tokens and bool((self.q[torch.arange(self.num_tokens), self.token_ids] <= 0).any()):
+                raise ValueError("every draft token must have q > 0 under the distribution it was drawn from")
+        if self.parents is not None:
+            validate_parents(self.parents, self.num_tokens)
+
+    @classmethod
+    def make_dummy(cls, k: int, vocab_size: int, *, with_q: bool = False, tree: bool = False) -> DraftProposal:
+        """A well-formed proposal for tests: tokens 0..k-1 (mod vocab), uniform q, a star tree."""
+        token_ids = [i % vocab_size for i in range(k)]
+        q = torch.full((k, vocab_size), 1.0 / vocab_size) if with_q else None
+        parents = [-1] * k if tree else None
+        return cls(token_ids=token_ids, q=q, parents=parents)
+
+
+class Drafter(Protocol[DrafterState]):
+    """Implemented by the n-gram drafters here and by the model drafter."""
+
+    def open(self, prompt_ids: Sequence[int]) -> DrafterState:
+        """Start a session on the prompt; returns the drafter's per-session state."""
+        ...
+
+    def propose(
+        self,
+        state: DrafterState,
+        accepted_since_last: Sequence[int],
+        max_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftProposal:
+        """Append accepted_since_last to the session, then propose up to max_tokens draft tokens
+        (the whole tree counts), drawing any randomness from `generator` only."""
+        ...
+
+    def close(self, state: DrafterState) -> None:
+        """Release what the session holds (KV blocks, indexes)."""
+        ...
