@@ -1,0 +1,123 @@
+"""Model drafter: any engine-loaded model proposes k tokens autoregressively.
+
+Used with a small model, or with the target's own weights at lower precision ("self-draft": bf16,
+int8 dynamic quantization), which agrees with the fp32 target on most tokens at a fraction of the cost.
+
+KV bookkeeping. The drafter's KV holds the context except the tokens in `pending` (at least the
+last one). Proposing feeds `pending`, samples x_0, feeds x_0, samples x_1, ... and samples x_{k-1}
+without feeding it. So after a proposal the KV holds context + x_0..x_{k-2}, and `base_len` records
+where the drafts start. The next call learns that the target accepted n drafts and emitted a final
+token: the drafts x_0..x_{min(n, k-1)-1} are already in the KV and stay; the rest is truncated.
+
+Worked example (k = 3, context of 10 tokens, pending = [c9]):
+    propose: feed [c9] -> x0; feed [x0] -> x1; feed [x1] -> x2      KV: c0..c9 x0 x1 (12), base_len 10
+    target accepts 2 drafts + final f: accepted_since_last = [x0, x1, f]
+    next propose: keep = min(2, 3 - 1) = 2 -> truncate KV to 12, pending = [f]
+    if it had accepted 3 (all): keep = 2, pending = [x2, b] (x2 was never fed)
+
+`propose_many` drafts for several sessions with one engine forward per draft position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specmesh.decoding.sampling import SamplingParams, processed_probs, sample
+from specmesh.drafters.base import DraftProposal
+from specmesh.models.engine import Engine, SeqInput
+
+
+@dataclass
+class ModelDraftState:
+    seq_id: int
+    pending: list[int]  # tokens of the context not yet in the drafter's KV
+    base_len: int = 0  # KV length where the last proposal's drafts start
+    num_drafted: int = 0  # k of the last proposal (0 = none outstanding)
+    num_tokens: int = 0  # context length (KV + pending) before drafting
+
+
+class ModelDrafter:
+    """Drafts with a model on an `Engine`. Not thread-safe: one engine thread calls it."""
+
+    name = "model"
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def open(self, prompt_ids: Sequence[int]) -> ModelDraftState:
+        """The prompt is prefilled lazily with the first proposal (it rides in the same forward)."""
+        seq_id = self.engine.new_sequence()
+        return ModelDraftState(seq_id=seq_id, pending=list(map(int, prompt_ids)), num_tokens=len(prompt_ids))
+
+    def close(self, state: ModelDraftState) -> None:
+        self.engine.free(state.seq_id)
+
+    def propose(
+        self,
+        state: ModelDraftState,
+        accepted_since_last: Sequence[int],
+        max_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> DraftProposal:
+        return self.propose_many([state], [accepted_since_last], [max_tokens], [params], [generator])[0]
+
+    def propose_many(
+        self,
+        states: Sequence[ModelDraftState],
+        accepted: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+    ) -> list[DraftProposal]:
+        for state, tokens in zip(states, accepted):
+            self._absorb(state, tokens)
+        limits = [max(0, min(k, self.engine.max_context - s.num_tokens)) for s, k in zip(states, max_tokens)]
+        drafts: list[list[int]] = [[] for _ in states]
+        qs: list[list[torch.Tensor]] = [[] for _ in states]
+        for position in range(max(limits, default=0)):
+            active = [i for i, limit in enumerate(limits) if position < limit]
+            inputs = []
+            for i in active:
+                state = states[i]
+                feed = state.pending if position == 0 else [drafts[i][-1]]
+                inputs.append(SeqInput(state.seq_id, list(feed), [len(feed) - 1]))
+            logits = self.engine.forward(inputs)
+            for i, row in zip(active, logits):
+                token, q = self._draw(row, params[i], generators[i])
+                drafts[i].append(token)
+                if q is not None:
+                    qs[i].append(q)
+        proposals = []
+        for i, state in enumerate(states):
+            if limits[i] > 0:
+                state.base_len = state.num_tokens  # the pending tokens were fed at position 0
+                state.pending = []
+            state.num_drafted = limits[i]
+            q = torch.stack(qs[i]) if qs[i] else None
+            proposals.append(DraftProposal(token_ids=drafts[i], q=q))
+        return proposals
+
+    def _absorb(self, state: ModelDraftState, tokens: Sequence[int]) -> None:
+        """Fold the tokens accepted since the last proposal into the KV / pending (module docstring)."""
+        tokens = list(map(int, tokens))
+        if state.num_drafted:
+            num_accepted = len(tokens) - 1
+            keep = min(num_accepted, state.num_drafted - 1)
+            self.engine.truncate(state.seq_id, state.base_len + keep)
+            state.pending = tokens[keep:]
+            state.num_drafted = 0
+        else:
+            state.pending.extend(tokens)
+        state.num_tokens += len(tokens)
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+        """logits [1, vocab] -> (token, q [vocab] or None when greedy: q is then one-hot on the token)."""
+        if params.is_greedy:
+            return int(logits[0].argmax()), None
+        q = processed_probs(logits, params)
+        return int(sample(q, generator)[0]), q[0]
