@@ -1,0 +1,166 @@
+"""Native forward of the Llama family over packed tokens of a ragged batch, reading/writing paged KV.
+
+Shapes: N = new tokens of the whole batch packed end to end, B = sequences, T = max new tokens of one
+sequence, K = max keys (cached + new) of one sequence. Linear layers, norms and rope run on the packed
+[N, ...] rows; only attention pads to [B, T] queries x [B, K] keys and masks (see `AttentionBatch`).
+
+Per layer: x += o(attn(rope(q), rope(k), v)); x += down(silu(gate(x')) * up(x')), with RMSNorm before
+each; q/k/v and gate/up are fused into one matrix each (fewer, larger matmuls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specmesh.kv.cache import PagedKVCache
+from specmesh.models.config import LlamaFamilyConfig
+from specmesh.models.linear import Linear
+from specmesh.models.rope import apply_rope, rope_tables
+from specmesh.models.weights import load_tensors
+
+
+@dataclass
+class AttentionBatch:
+    """Per-forward attention metadata, shared by every layer."""
+
+    positions: torch.Tensor  # [N] rope position of each new token
+    new_slots: torch.Tensor  # [N] KV slot each new token is written to
+    key_slots: torch.Tensor  # [B, K] KV slots each sequence reads (padded with any valid slot)
+    masks: dict  # sliding window (None = full) -> [B, 1, T, K] bool, True = may attend; or None
+    query_index: torch.Tensor | None  # [B * T] packed row of each padded query (None: B == 1)
+    output_index: torch.Tensor | None  # [N] padded row of each packed token (None: B == 1)
+    batch_size: int
+    max_new: int  # T
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None
+    o: Linear  # num_heads * head_dim -> hidden
+    post_norm: torch.Tensor
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
+    sliding_window: int | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in at least float32, cast back, then scale."""
+    compute = x if x.dtype == torch.float64 else x.float()
+    normed = compute * torch.rsqrt(compute.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+class LlamaFamilyModel:
+    def __init__(self, config: LlamaFamilyConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, kernel: str):
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.kernel = kernel
+        c = config
+
+        def take(name: str) -> torch.Tensor:
+            return tensors.pop(name).to(device=device, dtype=dtype)
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in tensors else None
+
+        self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.layers: list[DecoderLayer] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_b = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if c.qkv_bias else None
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            gate_up_b = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]) if c.mlp_bias else None
+            self.layers.append(
+                DecoderLayer(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=Linear(qkv_w, qkv_b, kernel),
+                    q_norm=take(p + "self_attn.q_norm.weight") if c.qk_norm else None,
+                    k_norm=take(p + "self_attn.k_norm.weight") if c.qk_norm else None,
+                    o=Linear(take(p + "self_attn.o_proj.weight"), maybe(p + "self_attn.o_proj.bias"), kernel),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=Linear(gate_up, gate_up_b, kernel),
+                    down=Linear(take(p + "mlp.down_proj.weight"), maybe(p + "mlp.down_proj.bias"), kernel),
+                    sliding_window=c.sliding_windows[i],
+                )
+            )
+        self.final_norm = take("model.norm.weight")
+        lm_head = maybe("lm_head.weight")
+        if lm_head is None or c.tie_word_embeddings:
+            lm_head = self.embed
+        # int8 drafts keep the vocab projection in the model dtype: it is the most sensitive matmul
+        self.lm_head = Linear(lm_head, None, "onednn" if kernel == "int8" else kernel)
+        self.cos, self.sin = rope_tables(c.rope_parameters, c.head_dim, c.max_context, dtype, device)
+        self.scale = c.head_dim**-0.5
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, hf_config, dtype: torch.dtype, device: torch.device, kernel: str) -> LlamaFamilyModel:
+        config = LlamaFamilyConfig.from_hf(hf_config)
+        return cls(config, load_tensors(folder, dtype), dtype, device, kernel)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (embedding rows excluded, tied lm_head counted once)."""
+        total = self.lm_head.nbytes
+        for layer in self.layers:
+            total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+        return total
+
+    def forward(self, token_ids: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache, logits_rows: torch.Tensor) -> torch.Tensor:
+        """token_ids: [N] -> float32 logits [len(logits_rows), vocab] of the packed rows `logits_rows`."""
+        c = self.config
+        num_tokens = token_ids.shape[0]
+        x = F.embedding(token_ids, self.embed)  # [N, hidden]
+        cos = self.cos[batch.positions].unsqueeze(1)  # [N, 1, head_dim]
+        sin = self.sin[batch.positions].unsqueeze(1)
+        q_size = c.num_heads * c.head_dim
+        kv_size = c.num_kv_heads * c.head_dim
+        eps = c.rms_norm_eps
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, eps)
+            q, k, v = layer.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(num_tokens, c.num_heads, c.head_dim)
+            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, eps)
+                k = rms_norm(k, layer.k_norm, eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            cache.write(index, batch.new_slots, k, v)
+            attn = self._attention(index, q, batch, cache, batch.masks[layer.sliding_window])
+            x = x + layer.o(attn)
+            h = rms_norm(x, layer.post_norm, eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        h = rms_norm(x.index_select(0, logits_rows), self.final_norm, eps)
+        return self.lm_head(h).float()
+
+    def _attention(self, layer_index: int, q: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache, mask) -> torch.Tensor:
+        """q: [N, heads, head_dim] -> [N, heads * head_dim]."""
+        keys, values = cache.gather(layer_index, batch.key_slots)  # [B, K, kv_heads, head_dim]
+        num_batch, max_new = batch.batch_size, batch.max_new
+        if batch.query_index is None:
+            queries = q.unsqueeze(0)
+        else:
+            queries = q.index_select(0, batch.query_index).view(num_batch, max_new, *q.shape[1:])
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )  # [B, heads, T, head_dim]
+        out = out.transpose(1, 2).reshape(num_batch * max_new, -1)
+        if batch.output_index is not None:
+            out = out.index_select(0, batch.output_index)
+        return out

@@ -1,0 +1,96 @@
+"""load_engine: a model folder (or spec) -> an Engine, native for the Llama family, HF otherwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specmesh.models.config import NATIVE_MODEL_TYPES
+from specmesh.models.engine import Engine
+
+BACKENDS = ("auto", "native", "hf")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES.update({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64})
+DEFAULT_MAX_KV_TOKENS = 16384
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def eos_token_ids(folder: Path, hf_config) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json, deduplicated, config's first."""
+    ids: list[int] = []
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    generation_config = folder / "generation_config.json"
+    if generation_config.exists():
+        sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    for source in sources:
+        for token in source if isinstance(source, (list, tuple)) else [source]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+def load_engine(
+    path_or_dir: str | Path,
+    backend: str = "auto",
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+    quantize: str | None = None,
+    block_size: int = 16,
+) -> Engine:
+    """Load a model as an Engine.
+
+    path_or_dir: a local HF folder (config.json + safetensors), or any spec `resolve_model_spec`
+    accepts ("default", a .gguf path, a hub id). backend: "native" (Llama family only), "hf" or "auto"
+    (native when config.model_type is llama/mistral/qwen2/qwen3). quantize: None or "int8" (dynamic int8
+    linear layers, native backend on CPU, float32).
+    """
+    from transformers import AutoConfig
+
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if quantize not in (None, "int8"):
+        raise ValueError(f"unknown quantize {quantize!r}; only 'int8'")
+    folder = Path(path_or_dir)
+    if not (folder / "config.json").exists():
+        from specmesh.models.resolve import resolve_model_spec
+
+        folder = Path(resolve_model_spec(str(path_or_dir)))
+    torch_dtype = parse_dtype(dtype)
+    torch_device = torch.device(device)
+    hf_config = AutoConfig.from_pretrained(folder)
+    eos = eos_token_ids(folder, hf_config)
+    if backend == "auto":
+        backend = "native" if hf_config.model_type in NATIVE_MODEL_TYPES else "hf"
+    if backend == "native":
+        from specmesh.models.linear import default_kernel
+        from specmesh.models.llama import LlamaFamilyModel
+        from specmesh.models.native_engine import NativeEngine
+
+        kernel = default_kernel(torch_dtype, torch_device)
+        if quantize == "int8":
+            if torch_device.type != "cpu" or torch_dtype != torch.float32:
+                raise ValueError("quantize='int8' needs device cpu and dtype float32")
+            kernel = "int8"
+        model = LlamaFamilyModel.from_folder(folder, hf_config, torch_dtype, torch_device, kernel)
+        return NativeEngine(model, max_kv_tokens=max_kv_tokens, block_size=block_size, eos_token_ids=eos)
+    if quantize is not None:
+        raise ValueError("quantize is only available with the native backend")
+    from transformers import AutoModelForCausalLM
+
+    from specmesh.models.hf_engine import HFEngine
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device)
+    text_config = hf_config.get_text_config()
+    max_context = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", 2048)
+    return HFEngine(model, max_context=max_context, eos_token_ids=eos, max_kv_tokens=max_kv_tokens)

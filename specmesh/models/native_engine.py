@@ -1,0 +1,248 @@
+"""NativeEngine: the Engine contract over the native Llama-family forward and the paged KV cache.
+
+A forward packs every sequence's new tokens end to end, appends them to the KV (all or nothing),
+builds one `AttentionBatch` (positions, slots, masks) shared by all layers, runs the model once and
+splits the requested logits back per sequence.
+
+Mask worked example (one sequence, cached 2, tree tokens [a, b, c] with parents [-1, 0, -1]):
+    keys:      p0 p1 a  b  c        positions: a=2, b=3, c=2
+    query a:   1  1  1  0  0
+    query b:   1  1  1  1  0        (b's ancestor a, and itself)
+    query c:   1  1  0  0  1
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specmesh.kv.cache import PagedKVCache
+from specmesh.models.engine import NO_PARENT, ContextLengthError, EngineStats, SeqInput
+from specmesh.models.llama import AttentionBatch, LlamaFamilyModel
+
+DEFAULT_MAX_KV_TOKENS = 16384
+DEFAULT_BLOCK_SIZE = 16
+
+
+def tree_ancestry(parents: Sequence[int]) -> list[list[bool]]:
+    """visible[i][j]: new token i may attend to new token j (j is i or an ancestor of i).
+
+    >>> tree_ancestry([-1, 0, -1, 2])
+    [[True, False, False, False], [True, True, False, False], [False, False, True, False], [False, False, True, True]]
+    """
+    visible: list[list[bool]] = []
+    for i, parent in enumerate(parents):
+        row = list(visible[parent]) if parent != NO_PARENT else [False] * len(parents)
+        row[i] = True
+        visible.append(row)
+    return visible
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each node (0 = child of the prefix).
+
+    >>> tree_depths([-1, 0, -1, 2, 3])
+    [0, 1, 0, 1, 2]
+    """
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent == NO_PARENT else depths[parent] + 1)
+    return depths
+
+
+class NativeEngine:
+    def __init__(
+        self,
+        model: LlamaFamilyModel,
+        max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        eos_token_ids: Sequence[int] = (),
+    ):
+        c = model.config
+        self.model = model
+        self.vocab_size = c.vocab_size
+        self.max_context = c.max_context
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.device = model.device
+        self.dtype = model.dtype
+        self.stats = EngineStats()
+        num_blocks = max(1, -(-max_kv_tokens // block_size))
+        self.cache = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, model.dtype, model.device)
+        self._windows = sorted(set(c.sliding_windows), key=lambda w: -1 if w is None else w)
+        self._last_forward: dict[int, tuple[int, list[int] | None, int]] = {}  # seq -> (start, parents, num_new)
+
+    # sequences
+    def new_sequence(self) -> int:
+        return self.cache.blocks.add_sequence()
+
+    def fork(self, seq_id: int) -> int:
+        return self.cache.blocks.fork(seq_id)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self.cache.blocks.length(seq_id)
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        self.cache.blocks.truncate(seq_id, length)
+        self._last_forward.pop(seq_id, None)
+
+    def free(self, seq_id: int) -> None:
+        self.cache.blocks.free(seq_id)
+        self._last_forward.pop(seq_id, None)
+
+    def keep_tree_path(self, seq_id: int, node_indices: Sequence[int]) -> None:
+        last = self._last_forward.get(seq_id)
+        if last is None or last[0] + last[2] != self.seq_len(seq_id):
+            raise ValueError(f"sequence {seq_id} has no tree forward to keep a path of")
+        start, parents, num_new = last
+        parents = parents if parents is not None else [i - 1 for i in range(num_new)]
+        expected_parent = NO_PARENT
+        for node in node_indices:
+            if not 0 <= node < num_new or parents[node] != expected_parent:
+                raise ValueError(f"{list(node_indices)} is not a root-to-node path of the tree {parents}")
+            expected_parent = node
+        self.cache.keep_path(seq_id, start, node_indices)
+        self._last_forward.pop(seq_id)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.cache.blocks.num_free_blocks
+
+    # forward
+    def forward(self, batch: Sequence[SeqInput]) -> list[torch.Tensor]:
+        """One forward over a ragged batch; per input float32 logits [len(logits_at), vocab]."""
+        self._validate(batch)
+        starts = [self.seq_len(item.seq_id) for item in batch]
+        new_slots: list[int] = []
+        appended = 0
+        try:
+            for item in batch:
+                new_slots += self.cache.append(item.seq_id, len(item.token_ids))
+                appended += 1
+        except BaseException:
+            for item, start in zip(batch[:appended], starts):
+                self.cache.blocks.truncate(item.seq_id, start)
+            raise
+        with torch.inference_mode():
+            attention, token_ids, logits_rows = self._attention_batch(batch, starts, new_slots)
+            logits = self.model.forward(token_ids, attention, self.cache, logits_rows)
+        for item, start in zip(batch, starts):
+            self._last_forward[item.seq_id] = (start, None if item.parents is None else list(item.parents), len(item.token_ids))
+        self.stats.num_forwards += 1
+        self.stats.num_sequences_forwarded += len(batch)
+        self.stats.num_tokens_forwarded += token_ids.shape[0]
+        return list(logits.split([len(item.logits_at) for item in batch]))
+
+    def _validate(self, batch: Sequence[SeqInput]) -> None:
+        if not batch:
+            raise ValueError("empty batch")
+        seen: set[int] = set()
+        for item in batch:
+            if item.seq_id in seen:
+                raise ValueError(f"sequence {item.seq_id} appears twice in one batch")
+            seen.add(item.seq_id)
+            num_new = len(item.token_ids)
+            if num_new == 0:
+                raise ValueError(f"sequence {item.seq_id}: no new tokens")
+            if self.seq_len(item.seq_id) + num_new > self.max_context:
+                raise ContextLengthError(
+                    f"sequence {item.seq_id} would reach {self.seq_len(item.seq_id) + num_new} tokens; "
+                    f"the model's context is {self.max_context}"
+                )
+            if any(not 0 <= t < self.vocab_size for t in item.token_ids):
+                raise ValueError(f"sequence {item.seq_id}: token id outside 0..{self.vocab_size - 1}")
+            if any(not 0 <= i < num_new for i in item.logits_at):
+                raise ValueError(f"sequence {item.seq_id}: logits_at outside 0..{num_new - 1}")
+            if item.parents is not None:
+                if len(item.parents) != num_new or any(not NO_PARENT <= p < i for i, p in enumerate(item.parents)):
+                    raise ValueError(f"sequence {item.seq_id}: parents must have one entry per token, each < its index")
+
+    def _attention_batch(self, batch: Sequence[SeqInput], starts: list[int], new_slots: list[int]):
+        device = self.device
+        num_batch = len(batch)
+        counts = [len(item.token_ids) for item in batch]
+        max_new = max(counts)
+        key_lengths = [start + n for start, n in zip(starts, counts)]
+        max_keys = max(key_lengths)
+        positions: list[int] = []
+        token_ids: list[int] = []
+        logits_rows: list[int] = []
+        offset = 0
+        for item, start in zip(batch, starts):
+            depths = range(len(item.token_ids)) if item.parents is None else tree_depths(item.parents)
+            positions += [start + d for d in depths]
+            token_ids += item.token_ids
+            logits_rows += [offset + i for i in item.logits_at]
+            offset += len(item.token_ids)
+
+        key_slots = [self.cache.slot_tensor(item.seq_id) for item in batch]
+        if num_batch == 1:
+            key_slots_t = key_slots[0].unsqueeze(0)
+        else:
+            key_slots_t = torch.zeros(num_batch, max_keys, dtype=torch.long, device=device)
+            for s, slots in enumerate(key_slots):
+                key_slots_t[s, : slots.shape[0]] = slots
+
+        simple_decode = num_batch == 1 and max_new == 1
+        masks = {}
+        if simple_decode and self._windows == [None]:
+            masks[None] = None
+        else:
+            allowed, key_positions = self._base_mask(batch, starts, counts, max_new, max_keys, positions)
+            query_positions = torch.zeros(num_batch, max_new, dtype=torch.long)
+            offset = 0
+            for s, n in enumerate(counts):
+                query_positions[s, :n] = torch.tensor(positions[offset : offset + n])
+                offset += n
+            for window in self._windows:
+                mask = allowed
+                if window is not None:
+                    mask = allowed & ((query_positions[:, :, None] - key_positions[:, None, :]) < window)
+                    mask[:, :, 0] |= ~mask.any(dim=-1)  # padded rows must see something
+                masks[window] = mask.unsqueeze(1).to(device)
+
+        query_index = output_index = None
+        if num_batch > 1:
+            q_index: list[int] = []
+            o_index: list[int] = []
+            offset = 0
+            for s, n in enumerate(counts):
+                q_index += [offset + i for i in range(n)] + [offset] * (max_new - n)
+                o_index += [s * max_new + i for i in range(n)]
+                offset += n
+            query_index = torch.tensor(q_index, dtype=torch.long, device=device)
+            output_index = torch.tensor(o_index, dtype=torch.long, device=device)
+
+        attention = AttentionBatch(
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            new_slots=torch.tensor(new_slots, dtype=torch.long, device=device),
+            key_slots=key_slots_t,
+            masks=masks,
+            query_index=query_index,
+            output_index=output_index,
+            batch_size=num_batch,
+            max_new=max_new,
+        )
+        token_ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
+        logits_rows_t = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        return attention, token_ids_t, logits_rows_t
+
+    @staticmethod
+    def _base_mask(batch, starts, counts, max_new, max_keys, positions):
+        """allowed: [B, T, K] bool (prefix + own tree/chain), key_positions: [B, K] (CPU tensors)."""
+        num_batch = len(batch)
+        allowed = torch.zeros(num_batch, max_new, max_keys, dtype=torch.bool)
+        key_positions = torch.zeros(num_batch, max_keys, dtype=torch.long)
+        offset = 0
+        for s, (item, start, n) in enumerate(zip(batch, starts, counts)):
+            allowed[s, :n, :start] = True
+            if item.parents is None:
+                own = torch.ones(n, n, dtype=torch.bool).tril()
+            else:
+                own = torch.tensor(tree_ancestry(item.parents), dtype=torch.bool)
+            allowed[s, :n, start : start + n] = own
+            allowed[s, n:, 0] = True
+            key_positions[s, :start] = torch.arange(start)
+            key_positions[s, start : start + n] = torch.tensor(positions[offset : offset + n])
+            offset += n
+        return allowed, key_positions
