@@ -50,19 +50,19 @@ def test_greedy_speculative_equals_target_only(engines, drafter_kind, k):
         assert spec.token_ids == plain.token_ids
         assert len(spec.token_ids) == 40 and spec.finish_reason is FinishReason.LENGTH
         assert spec.stats.num_target_forwards <= plain.stats.num_target_forwards
-    if drafter_kind == "self":  # the self-draft agrees almost always: far fewer target forwards
+    if drafter_kind == "self" and k >= 4:  # the self-draft agrees almost always: far fewer forwards
         assert spec.stats.num_target_forwards < plain.stats.num_target_forwards / 2
 
 
 def test_adaptive_k_is_exact_and_frees_everything(engines):
     verifier = TargetVerifier(engines["target"])
-    blocks_before = engines["target"].num_free_blocks(), engines["self"].num_free_blocks()
+    blocks_before = engines["target"].num_free_blocks, engines["self"].num_free_blocks
     params = SamplingParams(max_new_tokens=60, **GREEDY)
     plain = generate(verifier, None, PROMPTS[1], params)
     spec = generate(verifier, ModelDrafter(engines["self"]), PROMPTS[1], params, k_policy=AdaptiveK())
     assert spec.token_ids == plain.token_ids
     assert spec.stats.mean_accepted_length > 2
-    assert (engines["target"].num_free_blocks(), engines["self"].num_free_blocks()) == blocks_before
+    assert (engines["target"].num_free_blocks, engines["self"].num_free_blocks) == blocks_before
 
 
 @pytest.mark.parametrize("drafter_kind", ["other", "ngram"])
