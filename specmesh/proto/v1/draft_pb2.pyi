@@ -91,7 +91,7 @@ class ProposeRequest(_message.Message):
     NUM_REWIND_TOKENS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_draft_tokens: _builtins.int
-    """k: how many tokens to propose, >= 1"""
+    """k: how many tokens to propose; 0 = only append accepted_token_ids"""
     return_distributions: _builtins.bool
     """send q (needed when sampling)"""
     sparse_distributions: _builtins.bool
@@ -130,6 +130,7 @@ class ProposeResponse(_message.Message):
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     DISTRIBUTIONS_FIELD_NUMBER: _builtins.int
     DRAFT_MS_FIELD_NUMBER: _builtins.int
+    TREE_PARENTS_FIELD_NUMBER: _builtins.int
     draft_ms: _builtins.float
     """time spent drafting inside the service"""
     @_builtins.property
@@ -140,16 +141,21 @@ class ProposeResponse(_message.Message):
     def distributions(self) -> _common_pb2.DraftDistributions:
         """[len(draft_token_ids), vocab] when asked for"""
 
+    @_builtins.property
+    def tree_parents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """[len(draft_token_ids)] for a token-tree draft (-1 = root); empty = chain"""
+
     def __init__(
         self,
         *,
         draft_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         distributions: _common_pb2.DraftDistributions | None = ...,
         draft_ms: _builtins.float = ...,
+        tree_parents: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions", "draft_ms", b"draft_ms", "draft_token_ids", b"draft_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions", "draft_ms", b"draft_ms", "draft_token_ids", b"draft_token_ids", "tree_parents", b"tree_parents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

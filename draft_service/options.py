@@ -1,0 +1,21 @@
+"""Draft service options (flags / YAML keys)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servicekit.options import ModelOptions, ServerOptions
+
+DRAFTERS = ("model", "ngram", "ngram-store")
+
+
+@dataclass
+class DraftOptions(ServerOptions, ModelOptions):
+    port: int = 50051
+    drafter: str = "model"  # model | ngram (prompt lookup) | ngram-store (may draft token trees)
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+    ngram_max_branching: int = 1  # ngram-store: > 1 proposes token trees
+    max_draft_tokens: int = 64  # largest k a Propose may ask for
+    batch_window_ms: float = 2.0  # how long the batcher collects concurrent Propose calls
+    max_batch_sessions: int = 64  # sessions per batched draft forward

@@ -1,0 +1,112 @@
+"""Collect concurrent calls for a short window and run them as ONE batch on the engine thread.
+
+    batcher = WindowBatcher(engine_thread, run_batch, window_ms=2, max_batch_cost=4096, cost=len)
+    result = await batcher.submit(payload)    # many tasks at once -> few run_batch calls
+
+`run_batch(payloads) -> results` runs on the engine thread and returns one result per payload, in
+order; a result that is an Exception is raised in that caller only. Batches are taken first in, first
+out, up to `max_batch_cost` (at least one call per batch, however costly), so no caller starves.
+While the engine runs one batch, new calls queue up and ride in the next (continuous batching). A
+caller cancelled while waiting is skipped; one cancelled during its batch gets no result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from servicekit.engine_thread import EngineThread
+
+
+class WindowBatcher:
+    def __init__(
+        self,
+        engine_thread: EngineThread,
+        run_batch: Callable[[Sequence[Any]], list[Any]],
+        window_ms: float = 2.0,
+        max_batch_cost: int = 4096,
+        cost: Callable[[Any], int] = lambda payload: 1,
+        on_batch: Callable[[Sequence[Any]], None] | None = None,
+        on_queue_depth: Callable[[int], None] | None = None,
+    ):
+        self.engine_thread = engine_thread
+        self.run_batch = run_batch
+        self.window_ms = window_ms
+        self.max_batch_cost = max_batch_cost
+        self.cost = cost
+        self.on_batch = on_batch
+        self.on_queue_depth = on_queue_depth
+        self.num_batches = 0
+        self._queue: deque[tuple[Any, asyncio.Future]] = deque()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    async def submit(self, payload: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = loop.create_task(self._run())
+        future = loop.create_future()
+        self._queue.append((payload, future))
+        self._report_depth()
+        self._wakeup.set()
+        return await future
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        while self._queue:
+            _, future = self._queue.popleft()
+            if not future.done():
+                future.set_exception(RuntimeError("the service is shutting down"))
+
+    def _report_depth(self) -> None:
+        if self.on_queue_depth is not None:
+            self.on_queue_depth(len(self._queue))
+
+    def _take(self) -> list[tuple[Any, asyncio.Future]]:
+        batch, budget = [], self.max_batch_cost
+        while self._queue:
+            payload, future = self._queue[0]
+            if future.done():  # cancelled while waiting
+                self._queue.popleft()
+                continue
+            item_cost = self.cost(payload)
+            if batch and item_cost > budget:
+                break
+            batch.append(self._queue.popleft())
+            budget -= item_cost
+        self._report_depth()
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                if self.window_ms > 0:
+                    await asyncio.sleep(self.window_ms / 1e3)
+                batch = self._take()
+                if not batch:
+                    continue
+                payloads = [payload for payload, _ in batch]
+                try:
+                    results = await self.engine_thread.run(self.run_batch, payloads)
+                except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
+                    results = [exc] * len(batch)
+                self.num_batches += 1
+                if self.on_batch is not None:
+                    self.on_batch(payloads)
+                for (_, future), result in zip(batch, results):
+                    if future.done():
+                        continue
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)

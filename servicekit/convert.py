@@ -1,0 +1,157 @@
+"""pb <-> specmesh conversions shared by the services: sampling params, tensors, draft distributions,
+model info. Everything that comes off the wire is validated here and raises ValueError."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specmesh.decoding.sampling import MAX_SEED, SamplingParams, make_generator
+from specmesh.decoding.types import SparseProbs
+from specmesh.decoding.sampling import to_dense, to_sparse
+from specmesh.proto.v1 import common_pb2
+from specmesh.wire_q import wire_to_q
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+TORCH_BY_PB = {
+    common_pb2.D_TYPE_FLOAT32: torch.float32,
+    common_pb2.D_TYPE_FLOAT16: torch.float16,
+    common_pb2.D_TYPE_BFLOAT16: torch.bfloat16,
+    common_pb2.D_TYPE_INT64: torch.int64,
+    common_pb2.D_TYPE_INT32: torch.int32,
+}
+PB_BY_TORCH = {v: k for k, v in TORCH_BY_PB.items()}
+Q_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# sampling params
+def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int, default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> SamplingParams:
+    """The request's SamplingParams with a resolved seed (the server picks one when has_seed is false)."""
+    if not math.isfinite(pb.temperature):
+        raise ValueError(f"temperature must be finite, got {pb.temperature}")
+    seed = pb.seed if pb.has_seed else make_generator(None)[1]
+    params = SamplingParams(
+        temperature=float(pb.temperature),
+        top_k=int(pb.top_k),
+        top_p=1.0 if pb.top_p == 0 else float(pb.top_p),
+        seed=int(seed),
+        max_new_tokens=int(pb.max_new_tokens) or default_max_new_tokens,
+        stop=list(pb.stop),
+        ignore_eos=bool(pb.ignore_eos),
+    )
+    params.validate(vocab_size)
+    return params
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        seed=params.seed or 0, has_seed=params.seed is not None, stop=list(params.stop),
+        max_new_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos,
+    )
+
+
+def token_ids_from_pb(ids, vocab_size: int, what: str) -> list[int]:
+    ids = list(ids)
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+# tensors
+def tensor_to_pb(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> common_pb2.Tensor:
+    tensor = tensor.detach().to("cpu", dtype or tensor.dtype).contiguous()
+    data = tensor.view(torch.int16).numpy().tobytes() if tensor.dtype == torch.bfloat16 else tensor.numpy().tobytes()
+    return common_pb2.Tensor(dtype=PB_BY_TORCH[tensor.dtype], shape=list(tensor.shape), data=data)
+
+
+def tensor_from_pb(pb: common_pb2.Tensor) -> torch.Tensor:
+    if pb.dtype not in TORCH_BY_PB:
+        raise ValueError(f"malformed Tensor: unknown dtype {pb.dtype}")
+    dtype = TORCH_BY_PB[pb.dtype]
+    if any(d < 0 for d in pb.shape):
+        raise ValueError(f"malformed Tensor: negative dimension in shape {list(pb.shape)}")
+    numel = math.prod(pb.shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(pb.data) != numel * itemsize:
+        raise ValueError(f"malformed Tensor: shape {list(pb.shape)} of {dtype} needs {numel * itemsize} bytes, got {len(pb.data)}")
+    if dtype == torch.bfloat16:
+        raw = np.frombuffer(pb.data, dtype=np.int16).copy()
+        return torch.from_numpy(raw).view(torch.bfloat16).reshape(tuple(pb.shape))
+    np_dtype = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32}[dtype]
+    return torch.from_numpy(np.frombuffer(pb.data, dtype=np_dtype).copy()).reshape(tuple(pb.shape))
+
+
+# draft distributions q
+def distributions_to_pb(q: torch.Tensor, dtype: torch.dtype, sparse: bool, vocab_size: int) -> common_pb2.DraftDistributions:
+    """q [k, vocab] in `dtype` (the rounded values the drafter sampled from) as dense or exact sparse."""
+    if not sparse:
+        return common_pb2.DraftDistributions(dense=tensor_to_pb(q, dtype))
+    rows = [to_sparse(row.to("cpu", dtype)) for row in q]
+    offsets = [0]
+    for row in rows:
+        offsets.append(offsets[-1] + row.support_size)
+    ids = torch.cat([r.token_ids for r in rows]) if rows else torch.zeros(0, dtype=torch.int64)
+    probs = torch.cat([r.probs for r in rows]) if rows else torch.zeros(0, dtype=dtype)
+    return common_pb2.DraftDistributions(sparse=common_pb2.SparseDistributions(
+        offsets=offsets, token_ids=ids.tolist(), probs=tensor_to_pb(probs, dtype), vocab_size=vocab_size))
+
+
+def distributions_from_pb(pb: common_pb2.DraftDistributions, k: int, vocab_size: int) -> torch.Tensor | None:
+    """q [k, vocab] float32 as the verifier uses it (`wire_to_q`: renormalised when rounded), or None."""
+    which = pb.WhichOneof("repr")
+    if which is None:
+        return None
+    if which == "dense":
+        raw = tensor_from_pb(pb.dense)
+        if tuple(raw.shape) != (k, vocab_size):
+            raise ValueError(f"malformed Tensor: q must be [k={k}, vocab={vocab_size}], got {tuple(raw.shape)}")
+    else:
+        sp = pb.sparse
+        if sp.vocab_size != vocab_size:
+            raise ValueError(f"sparse q has vocab_size {sp.vocab_size}, the model has {vocab_size}")
+        offsets = list(sp.offsets)
+        if len(offsets) != k + 1 or offsets[0] != 0 or offsets[-1] != len(sp.token_ids) or any(
+                b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"malformed SparseDistributions: offsets must be [k + 1 = {k + 1}] ascending from 0 to nnz")
+        probs = tensor_from_pb(sp.probs)
+        if tuple(probs.shape) != (len(sp.token_ids),):
+            raise ValueError("malformed SparseDistributions: probs must be [nnz]")
+        ids = torch.tensor(list(sp.token_ids), dtype=torch.int64)
+        raw = torch.stack([to_dense(SparseProbs(ids[a:b], probs[a:b]), vocab_size) for a, b in zip(offsets, offsets[1:])]) \
+            if k else torch.zeros((0, vocab_size), dtype=probs.dtype)
+    if raw.dtype not in Q_DTYPES:
+        raise ValueError(f"q must be float32, float16 or bfloat16, got {raw.dtype}")
+    if k and (not bool(torch.isfinite(raw).all()) or bool((raw < 0).any()) or bool((raw.float().sum(-1) <= 0).any())):
+        raise ValueError("q rows must be finite, >= 0 and of positive mass")
+    return wire_to_q(raw)
+
+
+def q_dtype_from_pb(value: int) -> torch.dtype:
+    if value == common_pb2.D_TYPE_UNSPECIFIED:
+        return torch.float32
+    dtype = TORCH_BY_PB.get(value)
+    if dtype not in Q_DTYPES:
+        raise ValueError(f"q travels as float32, float16 or bfloat16, not {value}")
+    return dtype
+
+
+# model info
+def tokenizer_fingerprint(folder: str | Path) -> str:
+    path = Path(folder) / "tokenizer.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
+
+
+def model_info_pb(spec: str, folder: str | Path, engine) -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        model=spec, vocab_size=engine.vocab_size, max_context_tokens=engine.max_context,
+        eos_token_ids=list(engine.eos_token_ids), dtype=str(engine.dtype).removeprefix("torch."),
+        device=str(engine.device), backend="native" if type(engine).__name__ == "NativeEngine" else "hf",
+        tokenizer_fingerprint=tokenizer_fingerprint(folder),
+    )

@@ -1,0 +1,49 @@
+"""Prometheus metrics of one service, in its own registry, served over HTTP on a separate port.
+
+Names (prefix `specmesh_`): requests_total{method,code}, request_seconds{method}, batch_size
+(sessions per engine forward), batch_tokens, queue_depth, sessions, forwards_total, drafts_total,
+draft_tokens_total, accepted_tokens_total, accepted_per_position_total{position}, and the derived
+mean accepted length = 1 + accepted_tokens_total / drafts_total.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class ServiceMetrics:
+    def __init__(self, service: str):
+        self.registry = CollectorRegistry()
+        r, p = self.registry, "specmesh_"
+        labels = dict(registry=r)
+        self.service = service
+        self.requests = Counter(p + "requests", "RPCs by method and status code", ["method", "code"], **labels)
+        self.request_seconds = Histogram(p + "request_seconds", "RPC latency", ["method"], **labels)
+        self.batch_size = Histogram(p + "batch_size", "sessions per engine forward", buckets=BATCH_BUCKETS, **labels)
+        self.batch_tokens = Histogram(p + "batch_tokens", "tokens per batched verify forward",
+                                      buckets=(1, 8, 32, 128, 512, 2048, 8192), **labels)
+        self.queue_depth = Gauge(p + "queue_depth", "calls waiting for the engine", **labels)
+        self.sessions = Gauge(p + "sessions", "open sessions", **labels)
+        self.forwards = Counter(p + "forwards", "batched engine calls (verify or draft rounds)", **labels)
+        self.drafts = Counter(p + "drafts", "rounds with at least one draft token", **labels)
+        self.draft_tokens = Counter(p + "draft_tokens", "draft tokens proposed or verified", **labels)
+        self.accepted_tokens = Counter(p + "accepted_tokens", "draft tokens accepted", **labels)
+        self.accepted_per_position = Counter(p + "accepted_per_position", "accepted draft tokens by position",
+                                             ["position"], **labels)
+        self.expired_sessions = Counter(p + "expired_sessions", "sessions closed by the TTL reaper", **labels)
+
+    def record_verification(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        self.drafts.inc()
+        self.draft_tokens.inc(num_drafted)
+        self.accepted_tokens.inc(num_accepted)
+        for position in range(num_accepted):
+            self.accepted_per_position.labels(str(position)).inc()
+
+    def serve(self, host: str, port: int):
+        """Start the /metrics HTTP endpoint; returns (server, bound port). port 0 = any free port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server, server.server_port

@@ -1,0 +1,35 @@
+"""Loading a service's model from its options (on the calling thread, before the server starts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from servicekit.options import ModelOptions
+
+
+def resolve_folder(spec: str) -> str:
+    if (Path(spec) / "config.json").exists():
+        return str(spec)
+    from specmesh.models.resolve import resolve_model_spec
+
+    return str(resolve_model_spec(spec))
+
+
+def load_service_engine(options: ModelOptions, model: str | None = None):
+    """(engine, resolved folder) for options.model (or `model`) on options.device / dtype."""
+    from specmesh.models.load import load_engine
+
+    folder = resolve_folder(model or options.model)
+    engine = load_engine(folder, backend=options.backend, dtype=options.dtype, device=options.device,
+                         max_kv_tokens=options.max_kv_tokens)
+    return engine, folder
+
+
+def model_shape(spec: str) -> tuple[int, int, str]:
+    """(vocab_size, max_context, folder) from the model's config only (no weights): for n-gram drafters."""
+    from transformers import AutoConfig
+
+    folder = resolve_folder(spec)
+    config = AutoConfig.from_pretrained(folder).get_text_config()
+    max_context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
+    return int(config.vocab_size), int(max_context), folder

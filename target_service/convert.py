@@ -1,0 +1,46 @@
+"""Verify service: pb <-> specmesh types."""
+
+from __future__ import annotations
+
+from servicekit.convert import distributions_from_pb, token_ids_from_pb
+from specmesh.decoding.speculative import FinishReason
+from specmesh.decoding.stats import SpecStats
+from specmesh.decoding.types import VerifyOutcome
+from specmesh.drafters.base import DraftProposal
+from specmesh.proto.v1 import common_pb2, verify_pb2
+
+FINISH_TO_PB = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.CONTEXT: common_pb2.FINISH_REASON_CONTEXT,
+}
+
+
+def proposal_from_pb(request: verify_pb2.VerifyRequest, vocab_size: int) -> DraftProposal:
+    """The draft of a VerifyRequest, validated (ids, q shape and support, tree parents)."""
+    token_ids = token_ids_from_pb(request.draft_token_ids, vocab_size, "draft_token_ids")
+    q = distributions_from_pb(request.distributions, len(token_ids), vocab_size) if request.HasField("distributions") else None
+    parents = list(request.tree_parents) or None
+    proposal = DraftProposal(token_ids=token_ids, q=q, parents=parents)
+    proposal.validate(vocab_size)
+    return proposal
+
+
+def verify_response(session_id: str, outcome: VerifyOutcome, is_tree: bool, batch_size: int, verify_ms: float,
+                    finish: FinishReason | None) -> verify_pb2.VerifyResponse:
+    return verify_pb2.VerifyResponse(
+        session_id=session_id, num_accepted_tokens=outcome.num_accepted, accepted_token_ids=outcome.token_ids,
+        accepted_tree_nodes=outcome.accepted_nodes if is_tree else [], batch_size=batch_size, verify_ms=verify_ms,
+        finish_reason=FINISH_TO_PB[finish],
+    )
+
+
+def stats_to_pb(stats: SpecStats) -> common_pb2.SpeculationStats:
+    return common_pb2.SpeculationStats(
+        num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
+        accepted_per_position=stats.accepted_per_position, mean_accepted_length=stats.mean_accepted_length,
+        draft_ms=stats.draft_ms, verify_ms=stats.verify_ms, tokens_per_s=stats.tokens_per_s,
+        num_generated_tokens=stats.num_generated_tokens, seed=stats.seed, num_target_forwards=stats.num_target_forwards,
+    )

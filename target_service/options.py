@@ -1,0 +1,21 @@
+"""Verify (target) service options (flags / YAML keys)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servicekit.options import ModelOptions, ServerOptions
+
+FUSED_DRAFTERS = ("", "ngram", "ngram-store", "model")
+
+
+@dataclass
+class VerifyOptions(ServerOptions, ModelOptions):
+    port: int = 50052
+    batch_window_ms: float = 2.0  # how long the batcher collects concurrent Verify calls
+    max_batch_tokens: int = 4096  # tokens (1 + k per session) per batched verify forward
+    max_draft_tokens: int = 64  # largest k a Verify may carry
+    fused_drafter: str = "ngram"  # drafter hosted for Step: "" (none) | ngram | ngram-store | model
+    fused_drafter_model: str = ""  # model spec of the fused model drafter; "" = the target's own weights
+    fused_drafter_dtype: str = "bfloat16"  # dtype of the fused model drafter (self-draft at lower precision)
+    default_max_new_tokens: int = 256  # Generate's max_new_tokens when the request says 0

@@ -1,0 +1,41 @@
+"""create_server(options) -> (handle, port): load the target (and fused drafter), start the Verify service."""
+
+from __future__ import annotations
+
+from servicekit.metrics import ServiceMetrics
+from servicekit.model import load_service_engine
+from servicekit.server import ServiceHandle, start_service
+from specmesh.drafters.model import ModelDrafter
+from specmesh.drafters.ngram import NgramStoreDrafter, PromptLookupDrafter
+from specmesh.proto.v1 import verify_pb2_grpc
+from target_service.options import FUSED_DRAFTERS, VerifyOptions
+from target_service.servicer import VerifyServicer
+
+SERVICE_NAME = "specmesh.v1.VerifyService"
+
+
+def build_fused_drafter(options: VerifyOptions):
+    if options.fused_drafter not in FUSED_DRAFTERS:
+        raise ValueError(f"unknown fused drafter {options.fused_drafter!r}; choose one of {FUSED_DRAFTERS}")
+    if options.fused_drafter == "ngram":
+        return PromptLookupDrafter()
+    if options.fused_drafter == "ngram-store":
+        return NgramStoreDrafter()
+    if options.fused_drafter == "model":
+        from servicekit.model import resolve_folder
+        from specmesh.models.load import load_engine
+
+        folder = resolve_folder(options.fused_drafter_model or options.model)
+        return ModelDrafter(load_engine(folder, dtype=options.fused_drafter_dtype, device=options.device,
+                                        max_kv_tokens=options.max_kv_tokens))
+    return None
+
+
+async def create_server(options: VerifyOptions) -> tuple[ServiceHandle, int]:
+    metrics = ServiceMetrics("verify")
+    engine, folder = load_service_engine(options)
+    servicer = VerifyServicer(options, engine, folder, metrics, build_fused_drafter(options))
+    servicer.sessions.start_reaper(options.reaper_interval_s)
+    handle = await start_service(options, metrics, servicer, [(verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE_NAME)],
+                                 on_stop=[servicer.shutdown])
+    return handle, handle.port
