@@ -40,8 +40,9 @@ bench: install model
 demo: install model
 	$(PY) -m client.demo
 
+# start every service of $(CONFIG) as its own process; Ctrl-C stops them all
 run-cluster: install model
-	@echo "make run-cluster: the services arrive with the gRPC services issue; nothing to run yet" >&2; exit 2
+	$(PY) -m client.cluster --config $(CONFIG)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
