@@ -1,0 +1,30 @@
+"""Reference computations for engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+from specmesh.models.engine import SeqInput
+
+
+def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of `token_ids`, float32 [len, vocab]."""
+    with torch.inference_mode():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def run_alone(engine, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Feed `token_ids` to a fresh sequence in chunks of the given sizes; logits at every position."""
+    seq = engine.new_sequence()
+    out, start = [], 0
+    for size in chunks:
+        piece = token_ids[start : start + size]
+        out.append(engine.forward([SeqInput(seq, piece, list(range(len(piece))))])[0])
+        start += size
+    engine.free(seq)
+    return torch.cat(out)
+
+
+def random_ids(vocab_size: int, length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (length,), generator=generator).tolist()
