@@ -1,0 +1,282 @@
+"""Draft and Verify services in-process (port 0, loopback): exactness over the wire, batching, errors,
+TTL, cancellation, health and reflection. Tiny random models; the in-process loop is the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from client.wire_loop import channel, wire_generate, wire_generation
+from draft_service.options import DraftOptions
+from draft_service.server import create_server as create_draft
+from servicekit.background import BackgroundServices
+from servicekit.convert import distributions_to_pb
+from specmesh.decoding.adaptive import FixedK
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.speculative import generate
+from specmesh.decoding.verifier import TargetVerifier
+from specmesh.drafters.model import ModelDrafter
+from specmesh.drafters.ngram import PromptLookupDrafter
+from specmesh.models.load import load_engine
+from specmesh.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+from specmesh.wire_q import RoundedQModelDrafter, WireSamplingParams
+from target_service.options import VerifyOptions
+from target_service.server import create_server as create_verify
+
+PROMPTS = [[5, 17, 33, 5, 17, 33, 5, 17], [100, 7, 250, 31, 9, 60, 12, 200, 4, 4, 99, 1, 3]]
+GREEDY = dict(temperature=0.0, ignore_eos=True, max_new_tokens=40)
+SAMPLED = dict(temperature=1.3, top_k=0, ignore_eos=True, max_new_tokens=40)
+TIMEOUT_S = 30
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    return {"target": str(tiny_model_dir("llama", init_std=0.2)), "other": str(tiny_model_dir("qwen2", init_std=0.2))}
+
+
+@pytest.fixture(scope="module")
+def cluster(models):
+    with BackgroundServices() as services:
+        verify_opts = dict(model=models["target"], dtype="float64", port=0, batch_window_ms=5.0)
+        handles = {
+            "verify": services.start(create_verify(VerifyOptions(**verify_opts, max_kv_tokens=8192))),
+            "draft_self": services.start(create_draft(DraftOptions(model=models["target"], dtype="float32", port=0))),
+            "draft_other": services.start(create_draft(DraftOptions(model=models["other"], dtype="float64", port=0))),
+            "draft_ngram": services.start(create_draft(DraftOptions(model=models["target"], drafter="ngram",
+                                                                    ngram_max_n=3, port=0))),
+            # short TTL, slow batcher (cancellation), small KV pool (RESOURCE_EXHAUSTED)
+            "aux": services.start(create_verify(VerifyOptions(**{**verify_opts, "batch_window_ms": 300.0},
+                                                              session_ttl_s=1.5, reaper_interval_s=0.2, max_kv_tokens=4096))),
+            "tiny_kv": services.start(create_verify(VerifyOptions(**verify_opts, max_kv_tokens=64))),
+        }
+        yield {name: (h, f"127.0.0.1:{h.port}") for name, h in handles.items()}
+
+
+def _reference(models, drafter_kind, prompt, params, k):
+    verifier = TargetVerifier(load_engine(models["target"], dtype="float64"))
+    if drafter_kind == "ngram":
+        drafter = PromptLookupDrafter(min_n=1, max_n=3)
+    elif drafter_kind == "self":
+        drafter = ModelDrafter(load_engine(models["target"], dtype="float32"))
+    elif drafter_kind == "other-fp16":
+        drafter = RoundedQModelDrafter(load_engine(models["other"], dtype="float64"))
+    else:
+        drafter = ModelDrafter(load_engine(models["other"], dtype="float64"))
+    return generate(verifier, drafter, prompt, params, k_policy=FixedK(k))
+
+
+def _wire(cluster, draft_name, prompt, params, k, **kwargs):
+    return asyncio.run(asyncio.wait_for(
+        wire_generation(cluster[draft_name][1], cluster["verify"][1], prompt, params, k, **kwargs), TIMEOUT_S))
+
+
+@pytest.mark.parametrize("drafter_kind", ["self", "ngram"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_over_the_wire_equals_in_process(cluster, models, drafter_kind, k):
+    for prompt in PROMPTS:
+        params = SamplingParams(**GREEDY)
+        wire = _wire(cluster, f"draft_{drafter_kind}", prompt, params, k)
+        ref = _reference(models, drafter_kind, prompt, params, k)
+        assert wire.token_ids == ref.token_ids
+        assert wire.finish_reason is ref.finish_reason
+        assert wire.stats.num_target_forwards == ref.stats.num_target_forwards
+
+
+@pytest.mark.parametrize("q_dtype,sparse", [("float32", False), ("float32", True), ("float16", False), ("bfloat16", True)])
+def test_sampled_over_the_wire_equals_in_process_with_the_same_seed(cluster, models, q_dtype, sparse):
+    """q travels as the bytes the drafter sampled from. fp32 is the drafter's own q (compared with the
+    plain ModelDrafter); rounded dtypes are compared with RoundedQModelDrafter, which samples from the
+    same rounded-and-renormalised q (`specmesh.wire_q`)."""
+    for seed in (1, 2):
+        prompt = PROMPTS[1]
+        params = SamplingParams(seed=seed, **SAMPLED)
+        wire = _wire(cluster, "draft_other", prompt, params, 4, q_dtype=q_dtype, sparse_q=sparse)
+        if q_dtype == "float32":
+            ref = _reference(models, "other", prompt, params, 4)
+        else:
+            rounded = WireSamplingParams(seed=seed, q_wire_dtype=getattr(torch, q_dtype), **SAMPLED)
+            ref = _reference(models, "other-fp16", prompt, rounded, 4)
+        assert wire.token_ids == ref.token_ids
+        assert 0 < wire.stats.num_accepted_tokens < wire.stats.num_draft_tokens  # both accept and reject paths ran
+
+
+def test_concurrent_verify_calls_share_forwards_and_match_sequential(cluster):
+    handle, address = cluster["verify"]
+    engine = handle.servicer.engine
+    num_sessions, num_rounds, k = 8, 10, 3
+    prompts = [[(7 * s + i) % 200 + 1 for i in range(12)] * 2 for s in range(num_sessions)]
+
+    async def session_loop(stub, prompt):
+        opened = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(
+            prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0)), timeout=TIMEOUT_S)
+        drafter = PromptLookupDrafter(1, 3)
+        state, new, out = drafter.open(prompt), [opened.first_token_id], [opened.first_token_id]
+        ready.append(1)
+        while len(ready) < num_sessions:  # start verifying together
+            await asyncio.sleep(0.01)
+        for _ in range(num_rounds):
+            proposal = drafter.propose(state, new, k, SamplingParams(temperature=0), None)
+            response = await stub.Verify(verify_pb2.VerifyRequest(session_id=opened.session_id,
+                                                                  draft_token_ids=proposal.token_ids), timeout=TIMEOUT_S)
+            new = list(response.accepted_token_ids)
+            out += new
+        await stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id))
+        return out
+
+    async def run(concurrent: bool):
+        async with channel(address) as ch:
+            stub = verify_pb2_grpc.VerifyServiceStub(ch)
+            if concurrent:
+                return await asyncio.gather(*(session_loop(stub, p) for p in prompts))
+            results = []
+            for p in prompts:
+                ready.clear()
+                ready.extend([1] * (num_sessions - 1))
+                results.append(await session_loop(stub, p))
+            return results
+
+    ready: list[int] = []
+    sequential = asyncio.run(run(False))
+    ready = []
+    before = engine.stats.num_forwards
+    concurrent = asyncio.run(run(True))
+    num_forwards = engine.stats.num_forwards - before - num_sessions  # minus the prefills
+    assert concurrent == sequential
+    assert num_forwards <= 30, f"{num_sessions * num_rounds} verify calls took {num_forwards} forwards"
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code()
+
+
+def test_errors_map_to_status_codes_and_the_services_keep_serving(cluster):
+    verify_ch, draft_ch = grpc.insecure_channel(cluster["verify"][1]), grpc.insecure_channel(cluster["draft_self"][1])
+    tiny_ch = grpc.insecure_channel(cluster["tiny_kv"][1])
+    verify, draft = verify_pb2_grpc.VerifyServiceStub(verify_ch), draft_pb2_grpc.DraftServiceStub(draft_ch)
+    vocab = verify.GetInfo(verify_pb2.VerifyGetInfoRequest()).model.vocab_size
+    greedy = common_pb2.SamplingParams(temperature=0)
+    session = verify.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=[1, 2, 3], sampling=greedy)).session_id
+    draft_session = draft.OpenSession(draft_pb2.DraftOpenSessionRequest(prompt_token_ids=[1, 2, 3], sampling=greedy)).session_id
+    bad_q = common_pb2.DraftDistributions(dense=common_pb2.Tensor(dtype=common_pb2.D_TYPE_FLOAT32, shape=[1, vocab], data=b"\0" * 7))
+    good_q = distributions_to_pb(torch.full((1, vocab), 1.0 / vocab), torch.float32, False, vocab)
+    wrong_shape_q = distributions_to_pb(torch.full((2, vocab), 1.0 / vocab), torch.float32, False, vocab)
+    INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+    cases = [
+        ("out-of-vocab prompt id", lambda: verify.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=[1, vocab + 5])), INVALID),
+        ("out-of-vocab draft id", lambda: verify.Verify(verify_pb2.VerifyRequest(session_id=session, draft_token_ids=[vocab])), INVALID),
+        ("out-of-vocab accepted id", lambda: draft.Propose(draft_pb2.ProposeRequest(session_id=draft_session, accepted_token_ids=[vocab], num_draft_tokens=2)), INVALID),
+        ("k too large (propose)", lambda: draft.Propose(draft_pb2.ProposeRequest(session_id=draft_session, accepted_token_ids=[4], num_draft_tokens=10_000)), INVALID),
+        ("k too large (verify)", lambda: verify.Verify(verify_pb2.VerifyRequest(session_id=session, draft_token_ids=[1] * 500)), INVALID),
+        ("empty prompt (verify)", lambda: verify.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=[])), INVALID),
+        ("empty prompt (draft)", lambda: draft.OpenSession(draft_pb2.DraftOpenSessionRequest(prompt_token_ids=[])), INVALID),
+        ("prompt over the context", lambda: verify.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=[1] * 5000)), INVALID),
+        ("bad sampling params", lambda: verify.OpenSession(verify_pb2.VerifyOpenSessionRequest(
+            prompt_token_ids=[1], sampling=common_pb2.SamplingParams(temperature=-1))), INVALID),
+        ("unknown session (verify)", lambda: verify.Verify(verify_pb2.VerifyRequest(session_id="nope", draft_token_ids=[1])), NOT_FOUND),
+        ("unknown session (draft)", lambda: draft.Propose(draft_pb2.ProposeRequest(session_id="nope", num_draft_tokens=1)), NOT_FOUND),
+        ("unknown session (fork)", lambda: verify.Fork(verify_pb2.ForkRequest(session_id="nope", num_children=2)), NOT_FOUND),
+        ("malformed Tensor bytes", lambda: verify.Verify(verify_pb2.VerifyRequest(session_id=session, draft_token_ids=[1], distributions=bad_q)), INVALID),
+        ("q of the wrong shape", lambda: verify.Verify(verify_pb2.VerifyRequest(session_id=session, draft_token_ids=[1], distributions=wrong_shape_q)), INVALID),
+        ("bad tree parents", lambda: verify.Verify(verify_pb2.VerifyRequest(session_id=session, draft_token_ids=[1, 2], tree_parents=[1, 0])), INVALID),
+        ("KV pool full", lambda: verify_pb2_grpc.VerifyServiceStub(tiny_ch).OpenSession(
+            verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=[1] * 100, sampling=greedy)), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ]
+    for name, call, expected in cases:
+        assert _code(call) == expected, name
+    # still serving: the session survived the rejected calls and verifies normally
+    response = verify.Verify(verify_pb2.VerifyRequest(session_id=session, draft_token_ids=[4], distributions=good_q))
+    assert len(response.accepted_token_ids) >= 1
+    assert len(draft.Propose(draft_pb2.ProposeRequest(session_id=draft_session, accepted_token_ids=[4], num_draft_tokens=2)).draft_token_ids) == 2
+    for ch in (verify_ch, draft_ch, tiny_ch):
+        ch.close()
+
+
+def _wait_for(predicate, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_ttl_reclaims_abandoned_sessions(cluster):
+    handle, address = cluster["aux"]
+    engine = handle.servicer.engine
+    free_before = engine.num_free_blocks
+    with grpc.insecure_channel(address) as ch:
+        stub = verify_pb2_grpc.VerifyServiceStub(ch)
+        ids = [stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(
+            prompt_token_ids=[(i + j) % 50 + 1 for j in range(20)], sampling=common_pb2.SamplingParams(temperature=0))).session_id
+            for i in range(100)]
+        assert engine.num_free_blocks < free_before
+        assert _wait_for(lambda: engine.num_free_blocks == free_before and len(handle.servicer.sessions) == 0)
+        assert _code(lambda: stub.Verify(verify_pb2.VerifyRequest(session_id=ids[0]))) == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_cancelled_call_frees_its_session(cluster):
+    handle, address = cluster["aux"]
+    engine = handle.servicer.engine
+    free_before = engine.num_free_blocks
+    with grpc.insecure_channel(address) as ch:
+        stub = verify_pb2_grpc.VerifyServiceStub(ch)
+        session = stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=list(range(1, 40)))).session_id
+        # the batcher holds calls for 300 ms: a 50 ms deadline cancels the call while it waits
+        code = _code(lambda: stub.Verify(verify_pb2.VerifyRequest(session_id=session, draft_token_ids=[1, 2]), timeout=0.05))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _wait_for(lambda: engine.num_free_blocks == free_before, 5.0)
+        assert _code(lambda: stub.Verify(verify_pb2.VerifyRequest(session_id=session))) == grpc.StatusCode.NOT_FOUND
+        # a cancelled Generate stream frees its sequence too
+        stream = stub.Generate(verify_pb2.VerifyGenerateRequest(prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(
+            temperature=0, max_new_tokens=400, ignore_eos=True)))
+        next(stream)
+        stream.cancel()
+        assert _wait_for(lambda: engine.num_free_blocks == free_before, 5.0)
+
+
+def test_health_serving_and_reflection_lists_the_services(cluster):
+    for name, expected in (("verify", "specmesh.v1.VerifyService"), ("draft_self", "specmesh.v1.DraftService")):
+        with grpc.insecure_channel(cluster[name][1]) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for service in ("", expected):
+                assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(ch)
+            responses = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            names = {s.name for r in responses for s in r.list_services_response.service}
+            assert {expected, "grpc.health.v1.Health"} <= names
+
+
+def test_step_generate_and_fork(cluster, models):
+    prompt, params = PROMPTS[0], SamplingParams(**GREEDY)
+    plain = generate(TargetVerifier(load_engine(models["target"], dtype="float64")), None, prompt, params)
+    with grpc.insecure_channel(cluster["verify"][1]) as ch:
+        stub = verify_pb2_grpc.VerifyServiceStub(ch)
+        streamed = [t for r in stub.Generate(verify_pb2.VerifyGenerateRequest(prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(
+            temperature=0, max_new_tokens=40, ignore_eos=True))) for t in r.token_ids]
+        assert streamed == plain.token_ids
+        opened = stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0)))
+        tokens = [opened.first_token_id]
+        for _ in range(40):
+            step = stub.Step(verify_pb2.StepRequest(session_id=opened.session_id))  # adaptive k, fused n-gram drafter
+            tokens += step.result.accepted_token_ids
+            if len(tokens) >= 40:
+                break
+        assert tokens[:40] == plain.token_ids
+        forked = stub.Fork(verify_pb2.ForkRequest(session_id=opened.session_id, num_children=2))
+        assert list(forked.next_token_ids) == [tokens[-1]] * 2
+        first_child = forked.child_session_ids[0]
+        after_pending = stub.Verify(verify_pb2.VerifyRequest(session_id=first_child)).accepted_token_ids[0]
+        after_that = stub.Verify(verify_pb2.VerifyRequest(session_id=first_child)).accepted_token_ids[0]
+        appended = stub.Fork(verify_pb2.ForkRequest(session_id=opened.session_id, num_children=1, append_token_ids=[after_pending]))
+        child = appended.child_session_ids[0]
+        assert appended.next_token_ids[0] == after_that  # a forced append == decoding the same token
+        for session_id in (opened.session_id, child, *forked.child_session_ids):
+            assert stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id)).existed
