@@ -61,3 +61,20 @@ def test_engine_metadata(tiny_model_dir):
     assert engine.eos_token_ids == (2,)
     assert engine.max_context == 512 and engine.vocab_size == 384
     assert engine.dtype == torch.float32 and engine.device == torch.device("cpu")
+
+
+def test_mistral_sliding_window_matches_transformers(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "mistral-window"
+    shutil.copytree(tiny_model_dir("mistral"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["sliding_window"] = 6
+    (path / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    engine = load_engine(path, dtype="float64")
+    assert set(engine.model.config.sliding_windows) == {6}
+    ids = random_ids(engine.vocab_size, 20, seed=6)
+    got = run_alone(engine, ids, [11, 1, 1, 4, 3])
+    torch.testing.assert_close(got, hf_logits(reference, ids), atol=1e-4, rtol=0)
