@@ -1,0 +1,78 @@
+"""In-process speculative generation with text in and text out (the demo and the CLI use it).
+
+    gen = LocalGenerator("default", drafter="bf16")
+    for text in gen.stream_text("Explain rainbows.", SamplingParams(temperature=0)):
+        print(text, end="")
+    print(gen.last_stats.summary())
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from specmesh.decoding.adaptive import AdaptiveK, FixedK
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.speculative import speculative_stream
+from specmesh.decoding.stats import SpecStats
+from specmesh.decoding.verifier import TargetVerifier
+from specmesh.drafters.model import ModelDrafter
+from specmesh.drafters.ngram import PromptLookupDrafter
+from specmesh.models.load import load_engine
+from specmesh.models.resolve import resolve_model_spec
+
+DRAFTERS = ("none", "ngram", "bf16", "int8")
+
+
+class LocalGenerator:
+    def __init__(self, model: str = "default", drafter: str = "bf16", dtype: str = "float32", device: str = "cpu"):
+        from transformers import AutoTokenizer
+
+        if drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        folder = resolve_model_spec(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.verifier = TargetVerifier(load_engine(folder, dtype=dtype, device=device))
+        self.drafter_name = drafter
+        self._draft_engine = None
+        if drafter == "bf16":
+            self._draft_engine = load_engine(folder, dtype="bfloat16", device=device)
+        elif drafter == "int8":
+            self._draft_engine = load_engine(folder, dtype="float32", quantize="int8")
+        self.last_stats: SpecStats | None = None
+
+    def prompt_ids(self, prompt: str, chat: bool = True) -> list[int]:
+        if chat and self.tokenizer.chat_template:
+            encoded = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+        return self.tokenizer.encode(prompt)
+
+    def _drafter(self, name: str):
+        if name == "ngram":
+            return PromptLookupDrafter(min_n=1, max_n=4)
+        if name in ("bf16", "int8"):
+            return ModelDrafter(self._draft_engine)
+        return None
+
+    def stream_text(self, prompt: str, params: SamplingParams, num_draft_tokens: int = 0,
+                    drafter: str | None = None, chat: bool = True) -> Iterator[str]:
+        """Yield text deltas; `drafter="none"` decodes plainly; num_draft_tokens 0 = adaptive k."""
+        name = self.drafter_name if drafter is None else drafter
+        draft = self._drafter(name)
+        k_policy = None if draft is None else (FixedK(num_draft_tokens) if num_draft_tokens else AdaptiveK())
+        ids = self.prompt_ids(prompt, chat)
+        generated: list[int] = []
+        shown = ""
+
+        def decode(tokens: list[int]) -> str:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+        for event in speculative_stream(self.verifier, draft, ids, params, k_policy=k_policy, decode=decode):
+            generated.extend(event.token_ids)
+            text = decode(generated)
+            if event.finish_reason is not None:
+                for stop in params.stop:  # the stop string itself is not shown
+                    text = text.split(stop)[0] if stop in text else text
+                self.last_stats = event.stats
+            if text.startswith(shown) and len(text) > len(shown) and not text.endswith("\ufffd"):
+                yield text[len(shown):]
+                shown = text
