@@ -1,0 +1,117 @@
+"""Services benchmark: aggregate verified tokens/s through the Verify service at 1, 4 and 16
+concurrent sessions (n-gram drafts from the Draft service, default model, CPU), and bytes on the wire
+per round for greedy and for sampling (q dense fp32 / fp16 vs exact sparse).
+
+Writes bench/results/services.json and services.md. Ratios are measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from client.wire_loop import wire_generation  # noqa: E402
+from draft_service.options import DraftOptions  # noqa: E402
+from draft_service.server import create_server as create_draft  # noqa: E402
+from servicekit.background import BackgroundServices  # noqa: E402
+from specmesh.decoding.sampling import SamplingParams  # noqa: E402
+from target_service.options import VerifyOptions  # noqa: E402
+from target_service.server import create_server as create_verify  # noqa: E402
+
+CONCURRENCY = (1, 4, 16)
+MAX_NEW_TOKENS = 48
+K = 4
+TEXTS = [
+    "List the planets of the solar system in order: Mercury, Venus, Earth, Mars, Jupiter, Saturn, Uranus, Neptune. "
+    "Now list them again in order:",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,",
+]
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer(TEXTS[i % len(TEXTS)] + f" ({i})")["input_ids"] for i in range(n)]
+
+
+async def throughput(draft_addr: str, verify_addr: str, batch: list[list[int]]) -> dict:
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(wire_generation(draft_addr, verify_addr, p, params, K) for p in batch))
+    wall_s = time.perf_counter() - start
+    tokens = sum(len(r.token_ids) for r in results)
+    return {"sessions": len(batch), "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s,
+            "mean_accepted_length": statistics.mean(r.stats.mean_accepted_length for r in results)}
+
+
+def main() -> int:
+    from transformers import AutoTokenizer
+
+    from specmesh.models.resolve import resolve_model_spec
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    folder = str(resolve_model_spec("default"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    out = {"model": "default (SmolLM2-135M-Instruct)", "device": "cpu", "k": K, "max_new_tokens": MAX_NEW_TOKENS,
+           "machine": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads()}
+    with BackgroundServices() as services:
+        verify = services.start(create_verify(VerifyOptions(model=folder, port=0, batch_window_ms=2.0)))
+        ngram = services.start(create_draft(DraftOptions(model=folder, drafter="ngram", port=0)))
+        model_draft = services.start(create_draft(DraftOptions(model=folder, drafter="model", port=0)))
+        v_addr, n_addr, m_addr = (f"127.0.0.1:{h.port}" for h in (verify, ngram, model_draft))
+        engine = verify.servicer.engine
+        asyncio.run(throughput(n_addr, v_addr, prompts(tokenizer, 1)))  # warm-up
+        rows = []
+        for n in CONCURRENCY:
+            forwards_before = engine.stats.num_forwards
+            row = asyncio.run(throughput(n_addr, v_addr, prompts(tokenizer, n)))
+            row["target_forwards"] = engine.stats.num_forwards - forwards_before
+            rows.append(row)
+            print(f"{n:>3} sessions: {row['tokens_per_s']:.1f} tok/s ({row['target_forwards']} forwards)", flush=True)
+        base = rows[0]["tokens_per_s"]
+        for row in rows:
+            row["speedup_vs_1"] = row["tokens_per_s"] / base
+        out["throughput"] = rows
+
+        wire = []
+        prompt = prompts(tokenizer, 1)[0]
+        cases = [("greedy, n-gram drafts", n_addr, dict(temperature=0.0), {}),
+                 ("sampling, q dense fp32", m_addr, dict(temperature=0.8, top_k=50, seed=3), dict(q_dtype="float32")),
+                 ("sampling, q dense fp16", m_addr, dict(temperature=0.8, top_k=50, seed=3), dict(q_dtype="float16")),
+                 ("sampling, q sparse fp32 (top_k=50)", m_addr, dict(temperature=0.8, top_k=50, seed=3), dict(q_dtype="float32", sparse_q=True)),
+                 ("sampling, q sparse fp16 (top_k=50)", m_addr, dict(temperature=0.8, top_k=50, seed=3), dict(q_dtype="float16", sparse_q=True))]
+        for name, addr, sampling, kwargs in cases:
+            params = SamplingParams(max_new_tokens=24, ignore_eos=True, **sampling)
+            result = asyncio.run(wire_generation(addr, v_addr, prompt, params, K, **kwargs))
+            per_round = statistics.mean(result.bytes_per_round)
+            wire.append({"case": name, "rounds": result.num_rounds, "bytes_per_round": per_round})
+            print(f"{name}: {per_round:,.0f} bytes/round", flush=True)
+        out["wire_bytes"] = wire
+    results = ROOT / "bench" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "services.json").write_text(json.dumps(out, indent=2))
+    lines = ["# Services benchmark", "", f"Model {out['model']}, CPU ({out['torch_threads']} torch threads), "
+             f"k = {K}, {MAX_NEW_TOKENS} new tokens per session, greedy, n-gram drafts over the wire.", "",
+             "| sessions | tokens/s | speedup vs 1 | target forwards | mean accepted length |", "|---|---|---|---|---|"]
+    lines += [f"| {r['sessions']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_1']:.2f}x | {r['target_forwards']} | "
+              f"{r['mean_accepted_length']:.2f} |" for r in out["throughput"]]
+    lines += ["", "Bytes on the wire per round (Propose + Verify, requests and responses, k = 4, vocab 49152):", "",
+              "| case | bytes / round |", "|---|---|"]
+    lines += [f"| {w['case']} | {w['bytes_per_round']:,.0f} |" for w in wire]
+    (results / "services.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
