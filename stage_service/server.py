@@ -1,0 +1,22 @@
+"""create_server(options) -> (handle, port) for the Stage service."""
+
+from __future__ import annotations
+
+from servicekit.metrics import ServiceMetrics
+from servicekit.model import load_service_engine
+from servicekit.server import ServiceHandle, start_service
+from specmesh.proto.v1 import stage_pb2_grpc
+from stage_service.options import StageOptions
+from stage_service.servicer import StageServicer
+
+SERVICE_NAME = "specmesh.v1.StageService"
+
+
+async def create_server(options: StageOptions) -> tuple[ServiceHandle, int]:
+    metrics = ServiceMetrics("stage")
+    engine, folder = load_service_engine(options)
+    servicer = StageServicer(options, engine, folder, metrics)
+    servicer.sessions.start_reaper(options.reaper_interval_s)
+    handle = await start_service(options, metrics, servicer, [(stage_pb2_grpc.add_StageServiceServicer_to_server, SERVICE_NAME)],
+                                 on_stop=[servicer.shutdown])
+    return handle, handle.port
