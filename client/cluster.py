@@ -73,9 +73,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def wait_serving(address: str, deadline_s: float, process: subprocess.Popen | None = None) -> None:
-    """Poll grpc.health.v1 until SERVING; raise if the process dies or the deadline passes."""
-    with grpc.insecure_channel(address) as channel:
+def wait_serving(address: str, deadline_s: float, process: subprocess.Popen | None = None, tls_cert: str = "") -> None:
+    """Poll grpc.health.v1 until SERVING; raise if the process dies or the deadline passes. With
+    `tls_cert` the service's own certificate is the trusted root (a self-signed cert works)."""
+    if tls_cert:
+        credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_cert).read_bytes())
+        channel_cm = grpc.secure_channel(address, credentials)
+    else:
+        channel_cm = grpc.insecure_channel(address)
+    with channel_cm as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process is not None and process.poll() is not None:
@@ -122,7 +128,7 @@ class Cluster:
                                                              cwd=ROOT, env=env, start_new_session=True)
                 log.close()
             for spec in self.specs:
-                wait_serving(spec.address, deadline_s, self.processes[spec.name])
+                wait_serving(spec.address, deadline_s, self.processes[spec.name], spec.options.get("tls_cert", ""))
         except BaseException:
             self.stop()
             raise
