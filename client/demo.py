@@ -1,7 +1,11 @@
 """`make demo`: the most that works today, on the embedded default model (SmolLM2-135M-Instruct).
 
-Stage 1 (foundation): resolve/convert the default model, load it with transformers and stream a
-greedy answer to a chat prompt.
+1. In-process speculative decoding, streamed: a chat answer drafted by the target's own weights in
+   bf16, and a passage rewrite drafted by prompt lookup; each followed by its stats and by plain
+   decoding of the same prompt, measured there and then (speedup, and the exactness check).
+2. Over the wire: the local cluster (configs/local.yaml: a Draft and a Verify service, each its own
+   process, on free loopback ports) is started, a speculative generation is driven through it with
+   gRPC, and the cluster is stopped.
 """
 
 from __future__ import annotations
@@ -9,28 +13,79 @@ from __future__ import annotations
 import sys
 import time
 
-DEMO_PROMPT = "Give me three tips for writing clear code."
+from specmesh.decoding.sampling import SamplingParams
+
+CHAT_PROMPT = "Give me three tips for writing clear code."
+PASSAGE = (
+    "The Rhine begins in the Swiss Alps, flows along the border between Germany and France, and reaches "
+    "the North Sea in the Netherlands. Barges carry coal, grain and containers between Rotterdam and Basel."
+)
+GROUNDED_PROMPT = f"Rewrite this passage in simpler words, keeping every fact:\n\n{PASSAGE}"
+MAX_NEW_TOKENS = 96
+
+
+def _section(title: str) -> None:
+    print(f"\n=== {title} ===", flush=True)
+
+
+def _speculative_vs_plain(generator, prompt: str, drafter: str) -> None:
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    print(f"user: {prompt}\nassistant: ", end="", flush=True)
+    start = time.perf_counter()
+    text = ""
+    for delta in generator.stream_text(prompt, params, drafter=drafter):
+        text += delta
+        print(delta, end="", flush=True)
+    spec_s = time.perf_counter() - start
+    spec_stats = generator.last_stats
+    print(f"\n[speculative, {drafter} drafts] {spec_stats.summary()}")
+    print(f"  per-position acceptance: {[f'{a:.2f}' for a in spec_stats.per_position_acceptance()[:8]]}")
+    start = time.perf_counter()
+    plain = "".join(generator.stream_text(prompt, params, drafter="none"))
+    plain_s = time.perf_counter() - start
+    plain_stats = generator.last_stats
+    same = "identical" if plain == text else "DIFFERENT"
+    print(f"[plain decoding] {plain_stats.summary()}")
+    print(f"  -> speedup {plain_s / spec_s:.2f}x wall time ({spec_stats.num_generated_tokens} tokens); "
+          f"output {same} to plain decoding")
+
+
+def _over_the_wire(tokenizer_prompt_ids) -> None:
+    from client.cluster import Cluster, load_cluster_config
+    from client.wire_loop import run_wire_generation
+
+    specs = load_cluster_config("configs/local.yaml")
+    for spec in specs:  # free ports, so the demo never collides with a running cluster
+        spec.options["port"] = 0
+        spec.options.pop("metrics_port", None)
+    print("starting the local cluster (one process per service) ...", flush=True)
+    start = time.perf_counter()
+    with Cluster(specs) as cluster:
+        print(f"  ready in {time.perf_counter() - start:.1f} s: {cluster.addresses}")
+        draft_addr = next(s.address for s in specs if s.kind == "draft")
+        verify_addr = next(s.address for s in specs if s.kind == "verify")
+        params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+        tokens, stats = run_wire_generation(draft_addr, verify_addr, tokenizer_prompt_ids, params, k=None)
+        print(f"[over gRPC: Draft -> Verify] {stats.summary()}")
+    return tokens
 
 
 def main() -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+    from client.local import LocalGenerator
 
-    from specmesh.models.resolve import resolve_model_spec
+    _section("default model")
+    generator = LocalGenerator("default", drafter="bf16")
+    print("SmolLM2-135M-Instruct, fp32 target on our native engine; bf16 self-draft")
 
-    folder = resolve_model_spec("default")
-    print(f"model: SmolLM2-135M-Instruct from {folder}")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    messages = [{"role": "user", "content": DEMO_PROMPT}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
-    print(f"\nuser: {DEMO_PROMPT}\nassistant: ", end="", flush=True)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=96, do_sample=False, streamer=streamer)
-    elapsed_s = time.perf_counter() - start
-    num_new = out.shape[1] - ids.shape[1]
-    print(f"\n[{num_new} tokens in {elapsed_s:.2f} s: {num_new / elapsed_s:.1f} tokens/s, transformers generate, fp32]")
+    _section("1a. speculative decoding, bf16 self-draft (chat)")
+    _speculative_vs_plain(generator, CHAT_PROMPT, "bf16")
+    _section("1b. speculative decoding, prompt-lookup drafts (input-grounded)")
+    _speculative_vs_plain(generator, GROUNDED_PROMPT, "ngram")
+
+    _section("2. over the wire: Draft and Verify services as separate processes")
+    tokens = _over_the_wire(generator.prompt_ids(CHAT_PROMPT))
+    print(generator.tokenizer.decode(tokens, skip_special_tokens=True))
+    print("cluster stopped")
     return 0
 
 

@@ -21,7 +21,7 @@ import grpc
 
 from specmesh.decoding.adaptive import AdaptiveK, FixedK
 from specmesh.decoding.sampling import SamplingParams, make_generator
-from specmesh.decoding.speculative import FinishReason, StopChecker, _clip
+from specmesh.decoding.speculative import FinishReason, StopChecker, clip_new_tokens
 from specmesh.decoding.stats import SpecStats
 from specmesh.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
@@ -77,7 +77,7 @@ async def wire_generate(
         since_last_draft = list(new_tokens)
         num_tokens = len(prompt_ids) + 1
         while True:
-            kept, finish = _clip(result.token_ids, new_tokens, params, stop_ids, stop_checker)
+            kept, finish = clip_new_tokens(result.token_ids, new_tokens, params, stop_ids, stop_checker)
             result.token_ids.extend(kept)
             if finish is None and info.max_context_tokens - num_tokens <= 0:
                 finish = FinishReason.CONTEXT

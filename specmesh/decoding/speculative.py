@@ -103,7 +103,8 @@ def speculative_stream(
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
     k_policy = k_policy or (AdaptiveK() if drafter is not None else FixedK(0))
     target_generator, seed = make_generator(params.seed, verifier.engine.device)
-    draft_generator, _ = make_generator(draft_seed(seed), "cpu")
+    draft_device = getattr(drafter, "device", "cpu")  # model drafters sample on their engine's device
+    draft_generator, _ = make_generator(draft_seed(seed), draft_device)
     stats = SpecStats(seed=seed)
     start = time.perf_counter()
 
@@ -117,7 +118,7 @@ def speculative_stream(
         since_last_draft = list(new_tokens)  # what the drafter has not been told yet
         num_drafted = num_accepted = 0
         while True:
-            kept, finish = _clip(generated, new_tokens, params, stop_ids, stop_checker)
+            kept, finish = clip_new_tokens(generated, new_tokens, params, stop_ids, stop_checker)
             generated.extend(kept)
             stats.num_generated_tokens = len(generated)
             if finish is None and verifier.max_draft_tokens(session) == 0:
@@ -159,7 +160,7 @@ def generate(
     return GenerationResult(tokens, events[-1].finish_reason, events[-1].stats, events)
 
 
-def _clip(
+def clip_new_tokens(
     generated: list[int],
     new_tokens: list[int],
     params: SamplingParams,

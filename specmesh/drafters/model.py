@@ -46,6 +46,7 @@ class ModelDrafter:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.device = engine.device  # where its generators must live
 
     def open(self, prompt_ids: Sequence[int]) -> ModelDraftState:
         """The prompt is prefilled lazily with the first proposal (it rides in the same forward)."""
