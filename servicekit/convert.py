@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specmesh.decoding.sampling import MAX_SEED, SamplingParams, make_generator
+from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.types import SparseProbs
 from specmesh.decoding.sampling import to_dense, to_sparse
 from specmesh.proto.v1 import common_pb2

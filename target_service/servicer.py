@@ -15,11 +15,11 @@ from servicekit.engine_thread import EngineThread
 from servicekit.errors import Unimplemented, rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.sessions import SessionTable
-from specmesh.decoding.sampling import SamplingParams, make_generator, processed_probs, sample
+from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.speculative import FinishReason, draft_seed, speculative_stream
 from specmesh.decoding.verifier import TargetSession, TargetVerifier
 from specmesh.drafters.base import DraftProposal
-from specmesh.models.engine import ContextLengthError, SeqInput
+from specmesh.models.engine import ContextLengthError
 from specmesh.proto.v1 import verify_pb2, verify_pb2_grpc
 from target_service.batcher import VerifyBatcher, VerifyResult
 from target_service.convert import FINISH_TO_PB, proposal_from_pb, stats_to_pb, verify_response
@@ -188,27 +188,12 @@ class VerifyServicer(verify_pb2_grpc.VerifyServiceServicer):
     def _fork(self, parent: VerifySession, append: list[int], params: list[SamplingParams], seeds: list[int]) -> list[VerifySession]:
         """Engine thread: children share the parent's KV blocks; with `append`, one forward over all
         children feeds [parent's pending token, *append] and samples each child's next token."""
-        p = parent.target
+        generators = [make_generator(seed, self.engine.device)[0] for seed in seeds]
+        targets = self.verifier.fork(parent.target, params, generators, append)
         children = []
-        try:
-            for child_params, seed in zip(params, seeds):
-                generator, _ = make_generator(seed, self.engine.device)
-                seq_id = self.engine.fork(p.seq_id)
-                target = TargetSession(seq_id, child_params, generator, p.pending_token_id, p.num_tokens, p.num_prompt_tokens)
-                children.append(VerifySession(target, list(parent.token_ids), parent.num_prompt_tokens, seed))
-            if append:
-                feed = [p.pending_token_id, *append]
-                logits = self.engine.forward([SeqInput(c.target.seq_id, feed, [len(feed) - 1]) for c in children])
-                for child, row in zip(children, logits):
-                    t = child.target
-                    next_id = int(row[0].argmax()) if t.params.is_greedy else int(sample(processed_probs(row, t.params), t.generator)[0])
-                    t.pending_token_id = next_id
-                    t.num_tokens += len(append) + 1
-                    child.token_ids += [*append, next_id]
-        except BaseException:
-            for child in children:
-                self.engine.free(child.target.seq_id)
-            raise
+        for target, seed in zip(targets, seeds):
+            appended = [*append, target.pending_token_id] if append else []
+            children.append(VerifySession(target, list(parent.token_ids) + appended, parent.num_prompt_tokens, seed))
         return children
 
     @rpc_method

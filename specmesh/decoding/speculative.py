@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-import torch
 
 from specmesh.decoding.adaptive import AdaptiveK, FixedK
 from specmesh.decoding.sampling import SamplingParams, make_generator

@@ -109,6 +109,41 @@ class TargetVerifier:
         logits = self.engine.forward(inputs)
         return [self._accept(s, pr, row) for s, pr, row in zip(sessions, proposals, logits)]
 
+    def fork(
+        self,
+        parent: TargetSession,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+        append_token_ids: Sequence[int] = (),
+    ) -> list[TargetSession]:
+        """Child sessions sharing the parent's KV (copy-on-write), one per params/generator.
+
+        Children start where the parent is (same pending token). With `append_token_ids`, one forward
+        over all children feeds [pending, *append_token_ids] and samples each child's next token under
+        its own params — e.g. Skeleton-of-Thought branches that each begin with their point's header.
+        """
+        if len(append_token_ids) > self.max_draft_tokens(parent):
+            raise ContextLengthError(f"{len(append_token_ids)} appended tokens do not fit in the context window")
+        children: list[TargetSession] = []
+        try:
+            for child_params, generator in zip(params, generators):
+                children.append(TargetSession(
+                    self.engine.fork(parent.seq_id), child_params, generator, parent.pending_token_id,
+                    parent.num_tokens, parent.num_prompt_tokens,
+                ))
+            if append_token_ids:
+                feed = [parent.pending_token_id, *map(int, append_token_ids)]
+                logits = self.engine.forward([SeqInput(c.seq_id, feed, [len(feed) - 1]) for c in children])
+                for child, row in zip(children, logits):
+                    child.pending_token_id = self._sample_one(row, child.params, child.generator)
+                    child.num_tokens += len(append_token_ids) + 1
+                    child.num_forwards += 1
+        except BaseException:
+            for child in children:
+                self.engine.free(child.seq_id)
+            raise
+        return children
+
     def close(self, session: TargetSession) -> None:
         self.engine.free(session.seq_id)
 
