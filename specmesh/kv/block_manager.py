@@ -198,4 +198,4 @@ class BlockManager:
         assert self._refcounts[block] > 0
         self._refcounts[block] -= 1
         if self._refcounts[block] == 0:
-            self._free.append(block)
+            self._free.appendleft(block)  # reused first: a rollback + re-append keeps the same blocks

@@ -29,20 +29,20 @@ class AttentionBatch:
 
     positions: torch.Tensor  # [N] rope position of each new token
     new_slots: torch.Tensor  # [N] KV slot each new token is written to
-    key_slots: torch.Tensor  # [B, K] KV slots each sequence reads (padded with any valid slot)
+    key_slots: torch.Tensor | None  # [B, K] KV slots each sequence reads (padded with any valid slot)
     masks: dict  # sliding window (None = full) -> [B, 1, T, K] bool, True = may attend; or None
     query_index: torch.Tensor | None  # [B * T] packed row of each padded query (None: B == 1)
     output_index: torch.Tensor | None  # [N] padded row of each packed token (None: B == 1)
     batch_size: int
     max_new: int  # T
+    key_range: tuple[int, int] | None = None  # (first slot, K) when B == 1 and its slots are contiguous
 
 
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor  # [hidden]
     qkv: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
-    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [num_heads + num_kv_heads, head_dim]: Qwen3's q_norm per q head, k_norm per k head
     o: Linear  # num_heads * head_dim -> hidden
     post_norm: torch.Tensor
     gate_up: Linear  # hidden -> 2 * intermediate
@@ -52,9 +52,8 @@ class DecoderLayer:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalise in at least float32, cast back, then scale."""
-    compute = x if x.dtype == torch.float64 else x.float()
-    normed = compute * torch.rsqrt(compute.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    compute = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return weight * F.rms_norm(compute, compute.shape[-1:], None, eps).to(x.dtype)
 
 
 class LlamaFamilyModel:
@@ -83,8 +82,7 @@ class LlamaFamilyModel:
                 DecoderLayer(
                     input_norm=take(p + "input_layernorm.weight"),
                     qkv=Linear(qkv_w, qkv_b, kernel),
-                    q_norm=take(p + "self_attn.q_norm.weight") if c.qk_norm else None,
-                    k_norm=take(p + "self_attn.k_norm.weight") if c.qk_norm else None,
+                    qk_norm=self._qk_norm(take, p) if c.qk_norm else None,
                     o=Linear(take(p + "self_attn.o_proj.weight"), maybe(p + "self_attn.o_proj.bias"), kernel),
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=Linear(gate_up, gate_up_b, kernel),
@@ -100,6 +98,12 @@ class LlamaFamilyModel:
         self.lm_head = Linear(lm_head, None, "onednn" if kernel == "int8" else kernel)
         self.cos, self.sin = rope_tables(c.rope_parameters, c.head_dim, c.max_context, dtype, device)
         self.scale = c.head_dim**-0.5
+
+    def _qk_norm(self, take, prefix: str) -> torch.Tensor:
+        c = self.config
+        q_norm = take(prefix + "self_attn.q_norm.weight").expand(c.num_heads, c.head_dim)
+        k_norm = take(prefix + "self_attn.k_norm.weight").expand(c.num_kv_heads, c.head_dim)
+        return torch.cat([q_norm, k_norm]).contiguous()
 
     @classmethod
     def from_folder(cls, folder: str | Path, hf_config, dtype: torch.dtype, device: torch.device, kernel: str) -> LlamaFamilyModel:
@@ -121,20 +125,16 @@ class LlamaFamilyModel:
         x = F.embedding(token_ids, self.embed)  # [N, hidden]
         cos = self.cos[batch.positions].unsqueeze(1)  # [N, 1, head_dim]
         sin = self.sin[batch.positions].unsqueeze(1)
-        q_size = c.num_heads * c.head_dim
-        kv_size = c.num_kv_heads * c.head_dim
+        num_qk_heads = c.num_heads + c.num_kv_heads
         eps = c.rms_norm_eps
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, eps)
-            q, k, v = layer.qkv(h).split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(num_tokens, c.num_heads, c.head_dim)
-            k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
-            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, eps)
-                k = rms_norm(k, layer.k_norm, eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            qkv = layer.qkv(h).view(num_tokens, num_qk_heads + c.num_kv_heads, c.head_dim)
+            qk = qkv[:, :num_qk_heads]  # q and k heads go through norm and rope together
+            if layer.qk_norm is not None:
+                qk = rms_norm(qk, layer.qk_norm, eps)
+            qk = apply_rope(qk, cos, sin)
+            q, k, v = qk[:, : c.num_heads], qk[:, c.num_heads :], qkv[:, num_qk_heads:]
             cache.write(index, batch.new_slots, k, v)
             attn = self._attention(index, q, batch, cache, batch.masks[layer.sliding_window])
             x = x + layer.o(attn)
@@ -146,7 +146,12 @@ class LlamaFamilyModel:
 
     def _attention(self, layer_index: int, q: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache, mask) -> torch.Tensor:
         """q: [N, heads, head_dim] -> [N, heads * head_dim]."""
-        keys, values = cache.gather(layer_index, batch.key_slots)  # [B, K, kv_heads, head_dim]
+        if batch.key_range is not None:  # one sequence whose slots are contiguous: a view, no copy
+            first, num_keys = batch.key_range
+            keys = cache.k[layer_index, first : first + num_keys].unsqueeze(0)
+            values = cache.v[layer_index, first : first + num_keys].unsqueeze(0)
+        else:
+            keys, values = cache.gather(layer_index, batch.key_slots)  # [B, K, kv_heads, head_dim]
         num_batch, max_new = batch.batch_size, batch.max_new
         if batch.query_index is None:
             queries = q.unsqueeze(0)

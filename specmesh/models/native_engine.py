@@ -175,8 +175,15 @@ class NativeEngine:
             logits_rows += [offset + i for i in item.logits_at]
             offset += len(item.token_ids)
 
-        key_slots = [self.cache.slot_tensor(item.seq_id) for item in batch]
+        key_range = None
         if num_batch == 1:
+            table = self.cache.blocks.block_table(batch[0].seq_id)
+            if table[-1] - table[0] == len(table) - 1 and table == list(range(table[0], table[-1] + 1)):
+                key_range = (table[0] * self.cache.block_size, max_keys)
+        key_slots = [] if key_range else [self.cache.slot_tensor(item.seq_id) for item in batch]
+        if key_range:
+            key_slots_t = None
+        elif num_batch == 1:
             key_slots_t = key_slots[0].unsqueeze(0)
         else:
             key_slots_t = torch.zeros(num_batch, max_keys, dtype=torch.long, device=device)
@@ -222,6 +229,7 @@ class NativeEngine:
             output_index=output_index,
             batch_size=num_batch,
             max_new=max_new,
+            key_range=key_range,
         )
         token_ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
         logits_rows_t = torch.tensor(logits_rows, dtype=torch.long, device=device)
