@@ -115,17 +115,17 @@ class NativeEngine:
         starts = [self.seq_len(item.seq_id) for item in batch]
         new_slots: list[int] = []
         appended = 0
-        try:
+        try:  # all or nothing: a failure (no blocks left, a kernel error) leaves every sequence as it was
             for item in batch:
                 new_slots += self.cache.append(item.seq_id, len(item.token_ids))
                 appended += 1
+            with torch.inference_mode():
+                attention, token_ids, logits_rows = self._attention_batch(batch, starts, new_slots)
+                logits = self.model.forward(token_ids, attention, self.cache, logits_rows)
         except BaseException:
             for item, start in zip(batch[:appended], starts):
                 self.cache.blocks.truncate(item.seq_id, start)
             raise
-        with torch.inference_mode():
-            attention, token_ids, logits_rows = self._attention_batch(batch, starts, new_slots)
-            logits = self.model.forward(token_ids, attention, self.cache, logits_rows)
         for item, start in zip(batch, starts):
             self._last_forward[item.seq_id] = (start, None if item.parents is None else list(item.parents), len(item.token_ids))
         self.stats.num_forwards += 1
