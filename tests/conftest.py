@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# One thread: tiny models gain nothing from two, and on a shared 2-core machine (tests also start
+# service processes) every OpenMP barrier waits for a descheduled sibling thread (measured: a tiny
+# decode step 16 ms with 2 threads, 0.4 ms with 1).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

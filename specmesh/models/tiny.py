@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm2", "gpt2")
+NATIVE_FAMILIES = FAMILIES[:-1]  # the Llama family the native engine runs; gpt2 takes the HF fallback
 
 TINY_VOCAB_SIZE = 384
 CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

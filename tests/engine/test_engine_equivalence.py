@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import NATIVE_FAMILIES
+from specmesh.models.tiny import NATIVE_FAMILIES
 from engine_helpers import hf_logits, random_ids, run_alone
 from specmesh.models.load import load_engine
 
