@@ -53,9 +53,13 @@ PASSAGE = (
     "Bingen and Koblenz, with its castles and vineyards, is a UNESCO World Heritage Site."
 )
 GROUNDED_PROMPTS = [
-    f"Summarize the following passage in three sentences.\n\n{PASSAGE}",
-    f"Extract every place name mentioned in the passage below, one per line, with one sentence about each.\n\n{PASSAGE}",
-    f"Rewrite the following passage in simpler words for a ten-year-old, keeping all the facts.\n\n{PASSAGE}",
+    f"Summarize the following passage in five detailed sentences, reusing its key phrases.\n\n{PASSAGE}",
+    f"Rewrite the following passage as a numbered list of facts, one fact per line, using the passage's own "
+    f"words.\n\n{PASSAGE}",
+    f"Answer these questions using only the passage: Where does the Rhine begin? How long is it? What do barges "
+    f"carry? Which cities are on it? What is special about its valley?\n\n{PASSAGE}",
+    f"Rewrite the following passage in simpler words for a ten-year-old, keeping all the facts, in at least six "
+    f"sentences.\n\n{PASSAGE}",
 ]
 CHAT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmesh.decoding.adaptive import AdaptiveK
+from specmesh.decoding.adaptive import AdaptiveK, FixedK
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
@@ -62,13 +62,15 @@ def _top2_margin(engine, context: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+@pytest.mark.parametrize("k", [1, 4, 8, "adaptive"])
 @pytest.mark.parametrize("drafter_name", ["ngram", "bf16", "int8"])
-def test_default_model_speculative_matches_target(setup, drafter_name, capsys):
+def test_default_model_speculative_matches_target(setup, drafter_name, k, capsys):
     target, verifier, drafters, prompts, reference, params = setup
     near_ties = []
     total_forwards = 0
     for ids, expected in zip(prompts, reference):
-        result = generate(verifier, drafters[drafter_name](), ids, params, k_policy=AdaptiveK())
+        k_policy = AdaptiveK() if k == "adaptive" else FixedK(k)
+        result = generate(verifier, drafters[drafter_name](), ids, params, k_policy=k_policy)
         total_forwards += result.stats.num_target_forwards
         if result.token_ids == expected:
             continue
@@ -77,6 +79,6 @@ def test_default_model_speculative_matches_target(setup, drafter_name, capsys):
         assert margin < NEAR_TIE, f"{drafter_name}: differs at token {first} with top-2 margin {margin:.2e}"
         near_ties.append((first, margin))
     with capsys.disabled():
-        print(f"\n[{drafter_name}] {len(prompts) - len(near_ties)}/{len(prompts)} identical; "
+        print(f"\n[{drafter_name}, k={k}] {len(prompts) - len(near_ties)}/{len(prompts)} identical; "
               f"near-ties at (token, margin): {near_ties}; target forwards {total_forwards} for {64 * len(prompts)} tokens")
     assert total_forwards < 64 * len(prompts)  # drafts were accepted
