@@ -233,6 +233,20 @@ def main() -> int:
                 f"| {fmt('cost_ratio_c', '.3f')} | {fmt('leviathan_bound')} | {'yes' if row['exact'] else 'NO'} |"
             )
         lines.append("")
+    lines += ["## Per prompt: speedup over ours-ar (median over repeats)", "",
+              "| set | prompt | tokens | ours-ar tok/s | " + " | ".join(n for n in methods if n != "ours-ar") + " |",
+              "|---|---|---|---|" + "---|" * (len(methods) - 1)]
+    for set_name, by_method in runs.items():
+        num_prompts = len(sets[set_name])
+        for prompt_index in range(num_prompts):
+            def per_prompt(name):
+                return by_method[name][prompt_index * args.repeats:(prompt_index + 1) * args.repeats]
+            ar = statistics.median(r["tokens_per_s"] for r in per_prompt("ours-ar"))
+            cells = [f"{statistics.median(r['tokens_per_s'] for r in per_prompt(n)) / ar:.2f}x"
+                     for n in methods if n != "ours-ar"]
+            tokens = per_prompt("ours-ar")[0]["num_tokens"]
+            lines.append(f"| {set_name} | {prompt_index} | {tokens} | {ar:.1f} | " + " | ".join(cells) + " |")
+    lines.append("")
     if mismatches:
         lines += ["Token mismatches vs ours-ar (first differing index):", ""]
         lines += [f"- {m['set']} #{m['prompt']} {m['method']}: {m['first_difference']}" for m in mismatches]
