@@ -44,13 +44,18 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(TEXTS[i % len(TEXTS)] + f" ({i})")["input_ids"] for i in range(n)]
 
 
-async def throughput(draft_addr: str, verify_addr: str, batch: list[list[int]]) -> dict:
+async def throughput(draft_addr: str, verify_addr: str, batch: list[list[int]], concurrency: int) -> dict:
+    """Run `batch` in waves of `concurrency` sessions; every level gets the same prompt mix (so 1
+    session runs the mix one after another), so only the concurrency differs between rows."""
     params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     start = time.perf_counter()
-    results = await asyncio.gather(*(wire_generation(draft_addr, verify_addr, p, params, K) for p in batch))
+    results = []
+    for first in range(0, len(batch), concurrency):
+        wave = batch[first:first + concurrency]
+        results += await asyncio.gather(*(wire_generation(draft_addr, verify_addr, p, params, K) for p in wave))
     wall_s = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in results)
-    return {"sessions": len(batch), "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s,
+    return {"sessions": concurrency, "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s,
             "mean_accepted_length": statistics.mean(r.stats.mean_accepted_length for r in results)}
 
 
@@ -70,11 +75,11 @@ def main() -> int:
         model_draft = services.start(create_draft(DraftOptions(model=folder, drafter="model", port=0)))
         v_addr, n_addr, m_addr = (f"127.0.0.1:{h.port}" for h in (verify, ngram, model_draft))
         engine = verify.servicer.engine
-        asyncio.run(throughput(n_addr, v_addr, prompts(tokenizer, 1)))  # warm-up
+        asyncio.run(throughput(n_addr, v_addr, prompts(tokenizer, 1), 1))  # warm-up
         rows = []
         for n in CONCURRENCY:
             forwards_before = engine.stats.num_forwards
-            row = asyncio.run(throughput(n_addr, v_addr, prompts(tokenizer, n)))
+            row = asyncio.run(throughput(n_addr, v_addr, prompts(tokenizer, max(n, len(TEXTS))), n))
             row["target_forwards"] = engine.stats.num_forwards - forwards_before
             rows.append(row)
             print(f"{n:>3} sessions: {row['tokens_per_s']:.1f} tok/s ({row['target_forwards']} forwards)", flush=True)
@@ -100,8 +105,10 @@ def main() -> int:
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / "services.json").write_text(json.dumps(out, indent=2))
-    lines = ["# Services benchmark", "", f"Model {out['model']}, CPU ({out['torch_threads']} torch threads), "
-             f"k = {K}, {MAX_NEW_TOKENS} new tokens per session, greedy, n-gram drafts over the wire.", "",
+    lines = ["# Services benchmark", "", f"Model {out["model"]}, CPU ({out['torch_threads']} torch threads), "
+             f"k = {K}, {MAX_NEW_TOKENS} new tokens per session, greedy, n-gram drafts over the wire. Every row runs the "
+             f"same {max(max(CONCURRENCY), len(TEXTS))}-or-fewer prompt mix ({len(TEXTS)} texts cycled) in waves of "
+             f"`sessions` concurrent sessions, so only the concurrency differs.", "",
              "| sessions | tokens/s | speedup vs 1 | target forwards | mean accepted length |", "|---|---|---|---|---|"]
     lines += [f"| {r['sessions']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_1']:.2f}x | {r['target_forwards']} | "
               f"{r['mean_accepted_length']:.2f} |" for r in out["throughput"]]
