@@ -105,7 +105,7 @@ def main() -> int:
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / "services.json").write_text(json.dumps(out, indent=2))
-    lines = ["# Services benchmark", "", f"Model {out["model"]}, CPU ({out['torch_threads']} torch threads), "
+    lines = ["# Services benchmark", "", f"Model {out['model']}, CPU ({out['torch_threads']} torch threads), "
              f"k = {K}, {MAX_NEW_TOKENS} new tokens per session, greedy, n-gram drafts over the wire. Every row runs the "
              f"same {max(max(CONCURRENCY), len(TEXTS))}-or-fewer prompt mix ({len(TEXTS)} texts cycled) in waves of "
              f"`sessions` concurrent sessions, so only the concurrency differs.", "",
