@@ -11,7 +11,7 @@ NUM_NEW_TOKENS = 64
 MAX_TIE_GAP = 1e-3
 PROMPTS = (
     "What is the capital of France? Answer with a paragraph about its history.",
-    "Write a haiku about the sea.",
+    "Write a short poem of at least eight lines about the sea.",
     "List three benefits of exercise.",
     "Explain what a hash table is in two sentences.",
     "Translate 'good morning' into Spanish and German.",
@@ -77,3 +77,4 @@ def test_greedy_decode_matches_transformers_generate(default_model):
         assert ours[first] in target_logits.topk(2).indices.tolist(), report[-1]
     print(f"{num_identical}/{len(PROMPTS)} identical (lengths {lengths}); " + "; ".join(report))
     assert num_identical >= len(PROMPTS) - 1
+    assert all(length == NUM_NEW_TOKENS for length in lengths), f"every answer runs to {NUM_NEW_TOKENS} tokens: {lengths}"
