@@ -31,3 +31,14 @@ def test_stubs_are_fresh():
 
     result = subprocess.run([sys.executable, str(ROOT / "protos" / "generate.py"), "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_every_console_script_resolves():
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"specmesh", "specmesh-draft", "specmesh-verify", "specmesh-stage"} <= set(scripts)
+    for name, target in scripts.items():
+        module_name, _, attribute = target.partition(":")
+        assert callable(getattr(importlib.import_module(module_name), attribute)), name
