@@ -59,6 +59,28 @@ async def throughput(draft_addr: str, verify_addr: str, batch: list[list[int]], 
             "mean_accepted_length": statistics.mean(r.stats.mean_accepted_length for r in results)}
 
 
+def wire_overhead(draft_addr: str, verify_addr: str, engine, prompt: list[int], repeats: int = 3) -> dict:
+    """One session, the same generation over gRPC (Draft + Verify services) and with the in-process
+    loop on the Verify service's own engine: what the wire and the services add per round."""
+    from specmesh.decoding.adaptive import FixedK
+    from specmesh.decoding.speculative import generate
+    from specmesh.decoding.verifier import TargetVerifier
+    from specmesh.drafters.ngram import PromptLookupDrafter
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    wire_ms, local_ms, rounds = [], [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = asyncio.run(wire_generation(draft_addr, verify_addr, prompt, params, K))
+        wire_ms.append((time.perf_counter() - start) * 1e3)
+        rounds = result.num_rounds
+        start = time.perf_counter()
+        generate(TargetVerifier(engine), PromptLookupDrafter(), prompt, params, k_policy=FixedK(K))
+        local_ms.append((time.perf_counter() - start) * 1e3)
+    wire, local = statistics.median(wire_ms), statistics.median(local_ms)
+    return {"wire_ms": wire, "in_process_ms": local, "rounds": rounds, "overhead_ms_per_round": (wire - local) / max(1, rounds)}
+
+
 def main() -> int:
     from transformers import AutoTokenizer
 
@@ -88,8 +110,12 @@ def main() -> int:
             row["speedup_vs_1"] = row["tokens_per_s"] / base
         out["throughput"] = rows
 
-        wire = []
         prompt = prompts(tokenizer, 1)[0]
+        out["wire_overhead"] = wire_overhead(n_addr, v_addr, engine, prompt)
+        print(f"one session, same tokens: over gRPC {out['wire_overhead']['wire_ms']:.0f} ms, "
+              f"in-process {out['wire_overhead']['in_process_ms']:.0f} ms", flush=True)
+
+        wire = []
         cases = [("greedy, n-gram drafts", n_addr, dict(temperature=0.0), {}),
                  ("sampling, q dense fp32", m_addr, dict(temperature=0.8, top_k=50, seed=3), dict(q_dtype="float32")),
                  ("sampling, q dense fp16", m_addr, dict(temperature=0.8, top_k=50, seed=3), dict(q_dtype="float16")),
@@ -112,6 +138,10 @@ def main() -> int:
              "| sessions | tokens/s | speedup vs 1 | target forwards | mean accepted length |", "|---|---|---|---|---|"]
     lines += [f"| {r['sessions']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_1']:.2f}x | {r['target_forwards']} | "
               f"{r['mean_accepted_length']:.2f} |" for r in out["throughput"]]
+    o = out["wire_overhead"]
+    lines += ["", f"One session, the same {MAX_NEW_TOKENS} tokens, medians of 3: over gRPC {o['wire_ms']:.0f} ms, in-process "
+              f"loop on the same engine {o['in_process_ms']:.0f} ms ({o['rounds']} rounds): "
+              f"{o['overhead_ms_per_round']:.1f} ms per round for the wire and the services."]
     lines += ["", "Bytes on the wire per round (Propose + Verify, requests and responses, k = 4, vocab 49152):", "",
               "| case | bytes / round |", "|---|---|"]
     lines += [f"| {w['case']} | {w['bytes_per_round']:,.0f} |" for w in wire]
