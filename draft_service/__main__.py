@@ -6,18 +6,12 @@ import sys
 
 from draft_service.options import DraftOptions
 from draft_service.server import create_server
-from servicekit.options import parse_options
-from servicekit.server import run_until_signalled
+from servicekit.server import serve_main
 
 
 def main(argv=None) -> int:
-    options = parse_options(DraftOptions, argv, "specmesh Draft service")
-
-    async def start():
-        return (await create_server(options))[0]
-
-    return run_until_signalled(start, lambda h: f"draft service ({options.drafter}, {options.model}) listening on "
-                               f"{options.host}:{h.port}" + (f", metrics on :{h.metrics_port}" if h.metrics_port else ""))
+    return serve_main(DraftOptions, create_server, argv, "specmesh Draft service",
+                      lambda o: f"draft service ({o.drafter}, {o.model})")
 
 
 if __name__ == "__main__":

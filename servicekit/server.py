@@ -88,13 +88,24 @@ async def start_service(
     return handle
 
 
-def run_until_signalled(start: Callable[[], Awaitable[ServiceHandle]], describe: Callable[[ServiceHandle], str]) -> int:
-    """The body of a service's `main`: start, print where it listens, serve until SIGINT/SIGTERM."""
+def serve_main(
+    options_cls: type,
+    create_server: Callable[[Any], Awaitable[tuple[ServiceHandle, int]]],
+    argv: Sequence[str] | None,
+    description: str,
+    label: Callable[[Any], str],
+) -> int:
+    """The whole `main` of a service: parse flags / YAML into `options_cls`, start the server, print
+    "<label> listening on host:port[, metrics on :port]", serve until SIGINT/SIGTERM, stop cleanly."""
+    from servicekit.options import parse_options
+
+    options = parse_options(options_cls, argv, description)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def serve() -> None:
-        handle = await start()
-        print(describe(handle), flush=True)
+        handle = (await create_server(options))[0]
+        metrics = f", metrics on :{handle.metrics_port}" if handle.metrics_port else ""
+        print(f"{label(options)} listening on {options.host}:{handle.port}{metrics}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import sys
 
-from servicekit.options import parse_options
-from servicekit.server import run_until_signalled
+from servicekit.server import serve_main
 from stage_service.options import StageOptions
 from stage_service.server import create_server
 
 
 def main(argv=None) -> int:
-    options = parse_options(StageOptions, argv, "specmesh Stage service")
-
-    async def start():
-        return (await create_server(options))[0]
-
-    return run_until_signalled(start, lambda h: f"stage service ({options.model}) listening on {options.host}:{h.port}"
-                               + (f", metrics on :{h.metrics_port}" if h.metrics_port else ""))
+    return serve_main(StageOptions, create_server, argv, "specmesh Stage service", lambda o: f"stage service ({o.model})")
 
 
 if __name__ == "__main__":
