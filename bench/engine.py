@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specmesh.models.chat import chat_prompt_ids  # noqa: E402
 from specmesh.models.engine import SeqInput  # noqa: E402
 from specmesh.models.load import load_engine  # noqa: E402
 
@@ -79,10 +80,7 @@ def hf_generate(model, prompt_ids: list[int], num_new: int, pad_id: int) -> list
 def decode_throughput(path, tokenizer, dtype: str, num_new: int, runs: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    prompts = [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-        for p in PROMPTS
-    ]
+    prompts = [chat_prompt_ids(tokenizer, p) for p in PROMPTS]
     engine = load_engine(path, dtype=dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

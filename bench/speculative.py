@@ -39,6 +39,7 @@ from specmesh.decoding.speculative import generate  # noqa: E402
 from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
 from specmesh.drafters.model import ModelDrafter  # noqa: E402
 from specmesh.drafters.ngram import PromptLookupDrafter  # noqa: E402
+from specmesh.models.chat import chat_prompt_ids  # noqa: E402
 from specmesh.models.load import load_engine  # noqa: E402
 from specmesh.models.resolve import resolve_model_spec  # noqa: E402
 
@@ -66,11 +67,6 @@ CHAT_PROMPTS = [
     "What are the main differences between cats and dogs as pets?",
     "Explain how a rainbow forms.",
 ]
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
 
 
 def leviathan_bound(acceptance: float, k: float, cost_ratio: float) -> float:
@@ -155,13 +151,13 @@ def main() -> int:
     if args.quick:
         sets = {name: prompts[:1] for name, prompts in sets.items()}
     for method in methods.values():  # warm-up: first-call allocations and oneDNN kernel selection
-        method.run(chat_ids(tokenizer, "Hi"), 8)
+        method.run(chat_prompt_ids(tokenizer, "Hi"), 8)
 
     runs: dict = {s: {m: [] for m in methods} for s in sets}
     mismatches = []
     for set_name, prompts in sets.items():
         for prompt_index, prompt in enumerate(prompts):
-            ids = chat_ids(tokenizer, prompt)
+            ids = chat_prompt_ids(tokenizer, prompt)
             for repeat in range(args.repeats):
                 order = list(methods) if (prompt_index + repeat) % 2 == 0 else list(reversed(methods))
                 reference = None

@@ -17,6 +17,7 @@ from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import PromptLookupDrafter
+from specmesh.models.chat import chat_prompt_ids
 from specmesh.models.load import load_engine
 from specmesh.models.resolve import resolve_model_spec
 
@@ -41,10 +42,7 @@ class LocalGenerator:
         self.last_stats: SpecStats | None = None
 
     def prompt_ids(self, prompt: str, chat: bool = True) -> list[int]:
-        if chat and self.tokenizer.chat_template:
-            encoded = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
-        return self.tokenizer.encode(prompt)
+        return chat_prompt_ids(self.tokenizer, prompt) if chat else self.tokenizer.encode(prompt)
 
     def _drafter(self, name: str):
         if name == "ngram":

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specmesh.models.chat import chat_prompt_ids
 from specmesh.models.engine import SeqInput
 from specmesh.models.load import load_engine
 
@@ -53,8 +54,7 @@ def test_greedy_decode_matches_transformers_generate(default_model):
     engine = load_engine(path, dtype="float32")
     num_identical, report, lengths = 0, [], []
     for prompt in PROMPTS:
-        messages = [{"role": "user", "content": prompt}]
-        prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        prompt_ids = chat_prompt_ids(tokenizer, prompt)
         with torch.inference_mode():
             generated = reference.generate(
                 torch.tensor([prompt_ids]),

@@ -16,6 +16,7 @@ from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import PromptLookupDrafter
+from specmesh.models.chat import chat_prompt_ids
 from specmesh.models.engine import SeqInput
 from specmesh.models.load import load_engine
 
@@ -42,10 +43,7 @@ def setup(default_model_dir):
         "bf16": lambda engine=load_engine(default_model_dir, dtype="bfloat16"): ModelDrafter(engine),
         "int8": lambda engine=load_engine(default_model_dir, dtype="float32", quantize="int8"): ModelDrafter(engine),
     }
-    prompts = []
-    for text in PROMPTS:
-        encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        prompts.append(list(encoded["input_ids"] if not isinstance(encoded, list) else encoded))
+    prompts = [chat_prompt_ids(tokenizer, text) for text in PROMPTS]
     verifier = TargetVerifier(target)
     params = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
     reference = [generate(verifier, None, ids, params).token_ids for ids in prompts]
