@@ -57,20 +57,13 @@ class LocalGenerator:
         name = self.drafter_name if drafter is None else drafter
         draft = self._drafter(name)
         k_policy = None if draft is None else (FixedK(num_draft_tokens) if num_draft_tokens else AdaptiveK())
-        ids = self.prompt_ids(prompt, chat)
-        generated: list[int] = []
-        shown = ""
 
-        def decode(tokens: list[int]) -> str:
+        def decode(tokens) -> str:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+        ids = self.prompt_ids(prompt, chat)
         for event in speculative_stream(self.verifier, draft, ids, params, k_policy=k_policy, decode=decode):
-            generated.extend(event.token_ids)
-            text = decode(generated)
             if event.finish_reason is not None:
-                for stop in params.stop:  # the stop string itself is not shown
-                    text = text.split(stop)[0] if stop in text else text
                 self.last_stats = event.stats
-            if text.startswith(shown) and len(text) > len(shown) and not text.endswith("\ufffd"):
-                yield text[len(shown):]
-                shown = text
+            if event.text:
+                yield event.text

@@ -7,26 +7,26 @@ from draft_service.servicer import DraftServicer
 from servicekit.metrics import ServiceMetrics
 from servicekit.model import load_service_engine, model_shape
 from servicekit.server import ServiceHandle, start_service
+from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import NgramStoreDrafter, PromptLookupDrafter
 from specmesh.proto.v1 import draft_pb2_grpc
-from specmesh.wire_q import RoundedQModelDrafter
 
 SERVICE_NAME = "specmesh.v1.DraftService"
 
 
 def build_drafter(options: DraftOptions):
-    """(drafter, engine or None, vocab_size, max_context, model folder)"""
+    """(drafter factory: q transform -> drafter, engine or None, vocab_size, max_context, model folder)"""
     if options.drafter not in DRAFTERS:
         raise ValueError(f"unknown drafter {options.drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if options.drafter == "model":
         engine, folder = load_service_engine(options)
-        return RoundedQModelDrafter(engine), engine, engine.vocab_size, engine.max_context, folder
+        return (lambda q_transform: ModelDrafter(engine, q_transform)), engine, engine.vocab_size, engine.max_context, folder
     vocab_size, max_context, folder = model_shape(options.model)
     if options.drafter == "ngram":
         drafter = PromptLookupDrafter(options.ngram_min_n, options.ngram_max_n)
     else:
         drafter = NgramStoreDrafter(options.ngram_min_n, options.ngram_max_n, options.ngram_max_branching)
-    return drafter, None, vocab_size, max_context, folder
+    return (lambda q_transform: drafter), None, vocab_size, max_context, folder  # q is None: nothing to round
 
 
 async def create_server(options: DraftOptions) -> tuple[ServiceHandle, int]:

@@ -1,15 +1,17 @@
 """DraftService: drafter sessions; concurrent Propose calls share one batched draft forward.
 
 The session's generator is seeded with `draft_seed(request seed)`, as in the in-process loop, so a
-seeded run over the wire equals `specmesh.decoding.speculative.generate`.
+seeded run over the wire equals `specmesh.decoding.speculative.generate`. q travels in the dtype a
+Propose asks for: the drafter for that dtype rounds q first and samples from the rounded values
+(`specmesh.drafters.wire_q`), so what travels is exactly what was sampled from.
 """
 
 from __future__ import annotations
 
-import asyncio
+import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -17,21 +19,23 @@ from draft_service.convert import propose_response
 from draft_service.options import DraftOptions
 from servicekit.batching import WindowBatcher
 from servicekit.convert import model_info_pb, q_dtype_from_pb, sampling_from_pb, token_ids_from_pb
-from servicekit.engine_thread import EngineThread
 from servicekit.errors import Unimplemented, rpc_method
 from servicekit.metrics import ServiceMetrics
-from servicekit.sessions import SessionTable
-from specmesh.decoding.sampling import make_generator
-from specmesh.decoding.speculative import draft_seed
-from specmesh.models.engine import ContextLengthError
+from servicekit.session_service import SessionService
+from specmesh.decoding.proposal import DraftProposal, Drafter
+from specmesh.decoding.sampling import SamplingParams, make_generator
+from specmesh.decoding.state import draft_seed
+from specmesh.decoding.verifier import validate_prompt
+from specmesh.drafters.wire_q import RoundQ, q_transform_for
 from specmesh.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specmesh.wire_q import RoundedQModelDrafter, WireSamplingParams
+
+DrafterFactory = Callable[[RoundQ | None], Drafter]  # q transform -> a drafter on the service's model
 
 
 @dataclass
 class DraftSession:
-    state: Any  # the drafter's per-session state
-    params: WireSamplingParams
+    state: Any  # the drafter's per-session state (shared by the drafters of every q dtype)
+    params: SamplingParams
     generator: torch.Generator
     seed: int
 
@@ -41,86 +45,78 @@ class ProposeCall:
     session: DraftSession
     accepted: list[int]
     k: int
+    q_dtype: torch.dtype
 
 
 @dataclass
 class ProposeResult:
-    proposal: Any  # DraftProposal
-    raw_q: torch.Tensor | None
+    proposal: DraftProposal
     draft_ms: float
     batch_size: int
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, options: DraftOptions, drafter, engine, vocab_size: int, max_context: int, model_folder: str,
-                 metrics: ServiceMetrics):
+class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, options: DraftOptions, make_drafter: DrafterFactory, engine, vocab_size: int, max_context: int,
+                 model_folder: str, metrics: ServiceMetrics):
+        super().__init__("draft", options.session_ttl_s, metrics)
         self.options = options
-        self.drafter = drafter
+        self.make_drafter = make_drafter
+        self.drafter = make_drafter(None)  # opens and closes sessions; q unrounded
+        self._drafters: dict[torch.dtype, Drafter] = {torch.float32: self.drafter}
         self.engine = engine  # None for the n-gram drafters
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.model_folder = model_folder
-        self.metrics = metrics
-        self.engine_thread = EngineThread("draft-engine")
-        self.sessions = SessionTable(options.session_ttl_s, self._close_session)
         self.batcher = WindowBatcher(
             self.engine_thread, self._run_batch, options.batch_window_ms, options.max_batch_sessions,
             on_batch=lambda calls: metrics.batch_size.observe(len(calls)),
             on_queue_depth=metrics.queue_depth.set,
         )
-        self._background: set[asyncio.Task] = set()
+
+    def drafter_for(self, q_dtype: torch.dtype) -> Drafter:
+        if q_dtype not in self._drafters:
+            self._drafters[q_dtype] = self.make_drafter(q_transform_for(q_dtype))
+        return self._drafters[q_dtype]
+
+    def free_session(self, session: DraftSession) -> None:
+        self.drafter.close(session.state)
+
+    async def stop_batchers(self) -> None:
+        await self.batcher.close()
 
     # engine-thread work
     def _run_batch(self, calls: Sequence[ProposeCall]) -> list:
+        """One batched draft per q dtype among the calls (usually one)."""
         start = time.perf_counter()
+        proposals: dict[int, DraftProposal] = {}
         try:
-            if isinstance(self.drafter, RoundedQModelDrafter):
-                pairs = self.drafter.propose_many_raw(
-                    [c.session.state for c in calls], [c.accepted for c in calls], [c.k for c in calls],
-                    [c.session.params for c in calls], [c.session.generator for c in calls])
-            else:
-                pairs = [(self.drafter.propose(c.session.state, c.accepted, c.k, c.session.params, c.session.generator), None)
-                         for c in calls]
+            by_dtype = itertools.groupby(sorted(range(len(calls)), key=lambda i: str(calls[i].q_dtype)),
+                                         key=lambda i: calls[i].q_dtype)
+            for q_dtype, group in by_dtype:
+                indices = list(group)
+                group_calls = [calls[i] for i in indices]
+                drafted = self.drafter_for(q_dtype).propose_many(
+                    [c.session.state for c in group_calls], [c.accepted for c in group_calls], [c.k for c in group_calls],
+                    [c.session.params for c in group_calls], [c.session.generator for c in group_calls])
+                proposals.update(zip(indices, drafted))
         except Exception as exc:  # noqa: BLE001 - every session of a failed batch is unusable
             return [exc] * len(calls)
         draft_ms = (time.perf_counter() - start) * 1e3
         self.metrics.forwards.inc()
-        return [ProposeResult(proposal, raw, draft_ms, len(calls)) for proposal, raw in pairs]
-
-    async def _close_session(self, session: DraftSession) -> None:
-        await self.engine_thread.run(self.drafter.close, session.state)
-        self.metrics.sessions.set(len(self.sessions))
-
-    def _close_later(self, session_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(self.sessions.close(session_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        return [ProposeResult(proposals[i], draft_ms, len(calls)) for i in range(len(calls))]
 
     # RPCs
     @rpc_method
     async def OpenSession(self, request: draft_pb2.DraftOpenSessionRequest, context) -> draft_pb2.DraftOpenSessionResponse:
-        prompt = token_ids_from_pb(request.prompt_token_ids, self.vocab_size, "prompt_token_ids")
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty")
-        if len(prompt) >= self.max_context:
-            raise ContextLengthError(f"prompt of {len(prompt)} tokens leaves no room in the {self.max_context}-token context")
-        base = sampling_from_pb(request.sampling, self.vocab_size)
-        params = WireSamplingParams(**{f: getattr(base, f) for f in base.__dataclass_fields__})
-        device = self.engine.device if self.engine is not None else "cpu"
-        generator, _ = make_generator(draft_seed(params.seed), device)
+        prompt = validate_prompt(request.prompt_token_ids, self.max_context, self.vocab_size)
+        params = sampling_from_pb(request.sampling, self.vocab_size)
+        generator, _ = make_generator(draft_seed(params.seed), self.drafter.device)
         state = await self.engine_thread.run(self.drafter.open, prompt)
-        session = DraftSession(state, params, generator, params.seed)
-        try:
-            session_id = self.sessions.add(session, request.session_id)
-        except ValueError:
-            await self.engine_thread.run(self.drafter.close, state)
-            raise
-        self.metrics.sessions.set(len(self.sessions))
+        session_id = await self.add_session(DraftSession(state, params, generator, params.seed), request.session_id)
         return draft_pb2.DraftOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=params.seed)
 
     @rpc_method
     async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeResponse:
-        entry = self.sessions.get(request.session_id)
         accepted = token_ids_from_pb(request.accepted_token_ids, self.vocab_size, "accepted_token_ids")
         k = request.num_draft_tokens
         if k > self.options.max_draft_tokens:
@@ -128,20 +124,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if request.num_rewind_tokens:
             raise Unimplemented("num_rewind_tokens is not supported; send the accepted tokens instead")
         q_dtype = q_dtype_from_pb(request.distributions_dtype)
-        async with entry.lock:
-            session = entry.value
-            session.params.q_wire_dtype = q_dtype
-            try:
-                result: ProposeResult = await self.batcher.submit(ProposeCall(session, accepted, k))
-            except BaseException:
-                self._close_later(request.session_id)  # cancelled or failed mid-draft: its state is unknown
-                raise
+        async with self.session_call(request.session_id) as session:
+            result: ProposeResult = await self.batcher.submit(ProposeCall(session, accepted, k, q_dtype))
         self.metrics.draft_tokens.inc(result.proposal.num_tokens)
-        return propose_response(result.proposal, result.raw_q, request, q_dtype, self.vocab_size, result.draft_ms)
+        return propose_response(result.proposal, request, self.vocab_size, result.draft_ms)
 
     @rpc_method
     async def CloseSession(self, request: draft_pb2.DraftCloseSessionRequest, context) -> draft_pb2.DraftCloseSessionResponse:
-        return draft_pb2.DraftCloseSessionResponse(existed=await self.sessions.close(request.session_id))
+        return draft_pb2.DraftCloseSessionResponse(existed=await self.close_session(request.session_id))
 
     @rpc_method
     async def GetInfo(self, request, context) -> draft_pb2.DraftGetInfoResponse:
@@ -150,8 +140,3 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         else:
             info = common_pb2.ModelInfo(model=self.options.model, vocab_size=self.vocab_size, max_context_tokens=self.max_context)
         return draft_pb2.DraftGetInfoResponse(model=info, drafter=self.options.drafter)
-
-    async def shutdown(self) -> None:
-        await self.batcher.close()
-        await self.sessions.stop()
-        self.engine_thread.shutdown()

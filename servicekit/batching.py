@@ -37,7 +37,6 @@ class WindowBatcher:
         self.cost = cost
         self.on_batch = on_batch
         self.on_queue_depth = on_queue_depth
-        self.num_batches = 0
         self._queue: deque[tuple[Any, asyncio.Future]] = deque()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -100,7 +99,6 @@ class WindowBatcher:
                     results = await self.engine_thread.run(self.run_batch, payloads)
                 except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
                     results = [exc] * len(batch)
-                self.num_batches += 1
                 if self.on_batch is not None:
                     self.on_batch(payloads)
                 for (_, future), result in zip(batch, results):

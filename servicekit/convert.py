@@ -10,11 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specmesh.decoding.sampling import SamplingParams, make_generator
+from specmesh.decoding.sampling import SamplingParams, make_generator, to_dense, to_sparse
+from specmesh.decoding.state import FinishReason
 from specmesh.decoding.types import SparseProbs
-from specmesh.decoding.sampling import to_dense, to_sparse
 from specmesh.proto.v1 import common_pb2
-from specmesh.wire_q import wire_to_q
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -27,6 +26,14 @@ TORCH_BY_PB = {
 }
 PB_BY_TORCH = {v: k for k, v in TORCH_BY_PB.items()}
 Q_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FINISH_TO_PB = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.CONTEXT: common_pb2.FINISH_REASON_CONTEXT,
+}
+FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
 
 # sampling params
@@ -104,7 +111,8 @@ def distributions_to_pb(q: torch.Tensor, dtype: torch.dtype, sparse: bool, vocab
 
 
 def distributions_from_pb(pb: common_pb2.DraftDistributions, k: int, vocab_size: int) -> torch.Tensor | None:
-    """q [k, vocab] float32 as the verifier uses it (`wire_to_q`: renormalised when rounded), or None."""
+    """q [k, vocab] in the dtype it travelled in (the values the drafter sampled from, see
+    `specmesh.decoding.proposal.normalize_q`), validated, or None."""
     which = pb.WhichOneof("repr")
     if which is None:
         return None
@@ -130,7 +138,7 @@ def distributions_from_pb(pb: common_pb2.DraftDistributions, k: int, vocab_size:
         raise ValueError(f"q must be float32, float16 or bfloat16, got {raw.dtype}")
     if k and (not bool(torch.isfinite(raw).all()) or bool((raw < 0).any()) or bool((raw.float().sum(-1) <= 0).any())):
         raise ValueError("q rows must be finite, >= 0 and of positive mass")
-    return wire_to_q(raw)
+    return raw
 
 
 def q_dtype_from_pb(value: int) -> torch.dtype:
@@ -152,6 +160,6 @@ def model_info_pb(spec: str, folder: str | Path, engine) -> common_pb2.ModelInfo
     return common_pb2.ModelInfo(
         model=spec, vocab_size=engine.vocab_size, max_context_tokens=engine.max_context,
         eos_token_ids=list(engine.eos_token_ids), dtype=str(engine.dtype).removeprefix("torch."),
-        device=str(engine.device), backend="native" if type(engine).__name__ == "NativeEngine" else "hf",
+        device=str(engine.device), backend=engine.backend,
         tokenizer_fingerprint=tokenizer_fingerprint(folder),
     )

@@ -3,6 +3,7 @@
 | raised in the service or the library            | status code          |
 |-------------------------------------------------|----------------------|
 | SessionNotFound (unknown or expired session)    | NOT_FOUND            |
+| FailedPrecondition (e.g. a finished session)    | FAILED_PRECONDITION  |
 | ValueError, incl. ContextLengthError            | INVALID_ARGUMENT     |
 | OutOfBlocksError (KV pool full)                 | RESOURCE_EXHAUSTED   |
 | Unimplemented                                   | UNIMPLEMENTED        |
@@ -20,7 +21,7 @@ import time
 
 import grpc
 
-from specmesh.models.engine import OutOfBlocksError
+from specmesh.kv.errors import OutOfBlocksError
 
 log = logging.getLogger("specmesh.services")
 
@@ -33,6 +34,11 @@ class Unimplemented(NotImplementedError):
     """A valid request for a feature this service does not offer."""
 
 
+class FailedPrecondition(ValueError):
+    """A well-formed request the session's state does not allow (a round on a finished session).
+    A ValueError: a client mistake, detected before anything changes."""
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, SessionNotFound):
         return grpc.StatusCode.NOT_FOUND
@@ -40,6 +46,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, Unimplemented):
         return grpc.StatusCode.UNIMPLEMENTED
+    if isinstance(exc, FailedPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL

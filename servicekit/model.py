@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from servicekit.options import ModelOptions
 
 
 def resolve_folder(spec: str) -> str:
-    if (Path(spec) / "config.json").exists():
-        return str(spec)
+    """The local HF folder of a model spec (`specmesh.models.resolve` does the resolving)."""
     from specmesh.models.resolve import resolve_model_spec
 
     return str(resolve_model_spec(spec))
@@ -29,7 +26,8 @@ def model_shape(spec: str) -> tuple[int, int, str]:
     """(vocab_size, max_context, folder) from the model's config only (no weights): for n-gram drafters."""
     from transformers import AutoConfig
 
+    from specmesh.models.engine import config_max_context
+
     folder = resolve_folder(spec)
     config = AutoConfig.from_pretrained(folder).get_text_config()
-    max_context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
-    return int(config.vocab_size), int(max_context), folder
+    return int(config.vocab_size), config_max_context(config), folder

@@ -15,6 +15,8 @@ from typing import Sequence, TypeVar
 
 import yaml
 
+from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS
+
 T = TypeVar("T")
 
 
@@ -36,7 +38,7 @@ class ModelOptions:
     device: str = "cpu"  # cpu | cuda:N
     dtype: str = "float32"
     backend: str = "auto"  # auto | native | hf
-    max_kv_tokens: int = 16384  # KV pool size in tokens
+    max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS  # KV pool size in tokens
 
 
 def option_fields(cls) -> list[dataclasses.Field]:

@@ -19,7 +19,7 @@ from servicekit.engine_thread import EngineThread
 from servicekit.metrics import ServiceMetrics
 from specmesh.decoding.types import VerifyOutcome
 from specmesh.decoding.verifier import TargetSession, TargetVerifier
-from specmesh.drafters.base import DraftProposal
+from specmesh.decoding.proposal import DraftProposal
 
 
 @dataclass

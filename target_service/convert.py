@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-from servicekit.convert import distributions_from_pb, token_ids_from_pb
-from specmesh.decoding.speculative import FinishReason
+from servicekit.convert import FINISH_TO_PB, distributions_from_pb, token_ids_from_pb
+from specmesh.decoding.proposal import DraftProposal
+from specmesh.decoding.state import FinishReason
 from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.types import VerifyOutcome
-from specmesh.drafters.base import DraftProposal
 from specmesh.proto.v1 import common_pb2, verify_pb2
-
-FINISH_TO_PB = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.CONTEXT: common_pb2.FINISH_REASON_CONTEXT,
-}
 
 
 def proposal_from_pb(request: verify_pb2.VerifyRequest, vocab_size: int) -> DraftProposal:

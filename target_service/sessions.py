@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from specmesh.decoding.adaptive import AdaptiveK
+from specmesh.decoding.state import SpeculationState
 from specmesh.decoding.verifier import TargetSession
 
 
@@ -17,14 +17,11 @@ class FusedDraft:
 
     state: Any  # the fused drafter's session state
     generator: torch.Generator  # seeded with draft_seed(seed)
-    num_fed_tokens: int  # how many of VerifySession.token_ids the drafter has seen
-    k_policy: AdaptiveK = field(default_factory=AdaptiveK)
 
 
 @dataclass
 class VerifySession:
-    target: TargetSession
-    token_ids: list[int]  # prompt + every emitted token (the last one is target.pending_token_id)
-    num_prompt_tokens: int
+    target: TargetSession  # the sequence: prompt + every emitted token (the last one pending)
+    round: SpeculationState  # finish rules, k policy and stats of the session's rounds
     seed: int
     fused: FusedDraft | None = None

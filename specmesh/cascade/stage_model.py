@@ -1,31 +1,34 @@
 """A middle stage of a cascade: verify a lower stage's draft with this model, then extend it.
 
-The stage keeps one engine sequence per session and `context` = the tokens the top stage confirmed.
+The stage's sequence is a `TargetSession` on this model's `TargetVerifier`: its rounds are the
+verifier's rounds (one forward, exact acceptance, KV rollback), nothing written again here.
 verify_and_extend(accepted A, draft D, q, m):
-    context += A
-    forward [unfed context tokens..., D] (the KV keeps whatever prefix of context it already holds)
-    accept a prefix of D exactly (greedy: argmax match; sampling: min(1, p/q), residual on rejection)
-    proposal = accepted D + this stage's final token + (m - 1) more tokens decoded by this stage
+    confirmed += A                     the tokens the top stage confirmed since the last call
+    rewind the sequence to `confirmed` (the KV keeps whatever prefix it already holds)
+    one verify round on D: accepted D + this stage's final token
+    m - 1 plain rounds (k = 0): this stage's own next tokens
+    proposal = everything those rounds emitted
 The proposal is the next stage's draft; each proposal token was produced from this stage's processed
 p at its position (by the speculative sampling theorem for the accepted/final tokens), so p rows are
-the q the next stage verifies against. Per-token quality features come from the same p rows.
+the q the next stage verifies against. Per-token quality features come from the same rows.
 
-Worked example (greedy, context c0..c4 fully confirmed, KV holds c0..c3):
+Worked example (greedy, confirmed c0..c4, KV holds c0..c3):
     D = [a, b], m = 2:  forward [c4, a, b] -> argmax [a, x, y]: accept [a], final x
-    KV keeps c0..c4 a; extend: forward [x] -> z; proposal = [a, x, z]; KV c0..c4 a x
+    plain round: forward [x] -> z; proposal = [a, x, z]; KV c0..c4 a x, z pending
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from specmesh.decoding.rejection import verify_greedy, verify_sampled
-from specmesh.decoding.sampling import SamplingParams, processed_probs, sample
-from specmesh.models.engine import ContextLengthError, Engine, SeqInput
+from specmesh.decoding.proposal import DraftProposal
+from specmesh.decoding.sampling import SamplingParams, processed_probs
+from specmesh.decoding.verifier import TargetSession, TargetVerifier, validate_prompt
+from specmesh.models.engine import ContextLengthError, Engine
 
 
 @dataclass
@@ -37,11 +40,8 @@ class TokenFeatures:
 
 @dataclass
 class StageSession:
-    seq_id: int
-    params: SamplingParams
-    generator: torch.Generator
-    context: list[int]  # prompt + tokens the top stage confirmed
-    kv_tokens: list[int] = field(default_factory=list)  # what the engine's KV holds, in order
+    sequence: TargetSession  # confirmed tokens + this stage's last proposal (its last token pending)
+    confirmed: list[int]  # prompt + tokens the top stage confirmed
 
 
 @dataclass
@@ -57,53 +57,35 @@ class StageModel:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.verifier = TargetVerifier(engine)
 
     def open(self, prompt: Sequence[int], params: SamplingParams, generator: torch.Generator) -> StageSession:
-        if not prompt:
-            raise ValueError("the prompt must have at least one token")
-        if len(prompt) >= self.engine.max_context:
-            raise ContextLengthError(f"prompt of {len(prompt)} tokens leaves no room in the {self.engine.max_context}-token context")
-        return StageSession(self.engine.new_sequence(), params, generator, list(map(int, prompt)))
+        """No forward yet: the prompt is fed with the first draft."""
+        prompt = validate_prompt(prompt, self.engine.max_context, self.engine.vocab_size)
+        sequence = TargetSession(self.engine.new_sequence(), params, generator, list(prompt), len(prompt))
+        return StageSession(sequence, list(prompt))
 
     def close(self, session: StageSession) -> None:
-        self.engine.free(session.seq_id)
+        self.verifier.close(session.sequence)
 
     def verify_and_extend(self, s: StageSession, accepted: Sequence[int], draft: Sequence[int],
                           q: torch.Tensor | None, num_extend: int) -> StageOutput:
-        draft = list(map(int, draft))
-        context = s.context + list(map(int, accepted))
-        if len(context) + len(draft) + max(num_extend, 1) > self.engine.max_context:
+        confirmed = s.confirmed + [int(t) for t in accepted]
+        if len(confirmed) + len(draft) + max(num_extend, 1) > self.engine.max_context:
             raise ContextLengthError("the draft and extension do not fit in the context window")
-        keep = 0
-        while keep < min(len(s.kv_tokens), len(context) - 1) and s.kv_tokens[keep] == context[keep]:
-            keep += 1
-        self.engine.truncate(s.seq_id, keep)
-        feed = context[keep:] + draft
-        first_row = len(context) - keep - 1
-        logits = self.engine.forward([SeqInput(s.seq_id, feed, list(range(first_row, len(feed))))])[0]  # [k + 1, vocab]
-        p = self._probs(logits, s.params)
-        if s.params.is_greedy:
-            outcome = verify_greedy(draft, logits.argmax(dim=-1).tolist())
-        else:
-            outcome = verify_sampled(draft, None if q is None else q.to(p.device), p, s.generator)
-        n = outcome.num_accepted
-        self.engine.truncate(s.seq_id, len(context) + n)
-        s.context, s.kv_tokens = context, context + draft[:n]
-        proposal, rows, feature_logits = outcome.token_ids, [p[i] for i in range(n + 1)], [logits[i] for i in range(n + 1)]
-        for _ in range(num_extend - 1):
-            row_logits = self.engine.forward([SeqInput(s.seq_id, [proposal[-1]], [0])])[0]
-            s.kv_tokens.append(proposal[-1])
-            row_p = self._probs(row_logits, s.params)
-            token = int(row_logits[0].argmax()) if s.params.is_greedy else int(sample(row_p, s.generator)[0])
-            proposal.append(token)
-            rows.append(row_p[0])
-            feature_logits.append(row_logits[0])
-        features = [self._features(l, r, t, s.params) for l, r, t in zip(feature_logits, rows, proposal)]
-        return StageOutput(n, proposal, torch.stack(rows), features)
-
-    @staticmethod
-    def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        return processed_probs(logits, params)
+        proposal = DraftProposal(token_ids=[int(t) for t in draft], q=q)
+        proposal.validate(self.engine.vocab_size)
+        self.verifier.rewind(s.sequence, confirmed)
+        s.confirmed = confirmed
+        first = self.verifier.verify(s.sequence, proposal, keep_logits=True)
+        outcomes = [first] + [self.verifier.verify(s.sequence, DraftProposal(token_ids=[]), keep_logits=True)
+                              for _ in range(num_extend - 1)]
+        tokens = [t for outcome in outcomes for t in outcome.token_ids]
+        logits = torch.cat([outcome.logits for outcome in outcomes])  # [len(tokens), vocab]
+        p = processed_probs(logits, s.sequence.params)
+        features = [self._features(row_logits, row_p, token, s.sequence.params)
+                    for row_logits, row_p, token in zip(logits, p, tokens)]
+        return StageOutput(first.num_accepted, tokens, p, features)
 
     @staticmethod
     def _features(logits: torch.Tensor, probs: torch.Tensor, token: int, params: SamplingParams) -> TokenFeatures:

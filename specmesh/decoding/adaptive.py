@@ -3,7 +3,7 @@
 With per-token acceptance rate a (Leviathan et al. 2023), a round that drafts k tokens emits on
 average E(k) = (1 - a^(k+1)) / (1 - a) tokens. It costs k * d (d = draft ms per token) plus the
 verify forward v(k) = v1 * (1 + beta * k) (v1 = a one-token forward; beta = extra cost per verified
-token, small because decoding is memory-bound). k = 0 is plain decoding: 1 token for v1.
+token, a fixed prior: small because decoding is memory-bound; `bench/engine.py` measures it). k = 0 is plain decoding: 1 token for v1.
 The policy picks the k in {0} ∪ [k_min, k_max] with the most tokens per ms. When k = 0 wins, a
 probe round with k_min is still made every `probe_every` rounds so a change in acceptance
 (a repetitive stretch of text, say) is noticed.
@@ -19,6 +19,15 @@ Worked example: a = 0.8, d = 1 ms, v1 = 10 ms, beta = 0.1
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class KPolicy(Protocol):
+    """Chooses the draft length of the next round from what the previous rounds measured."""
+
+    def next_k(self) -> int: ...
+
+    def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float) -> None: ...
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -33,7 +42,7 @@ class AdaptiveK:
     k_max: int = 16
     allow_zero: bool = True  # may fall back to plain decoding when drafting does not pay
     ema_weight: float = 0.3  # weight of the newest observation
-    beta: float = 0.1  # verify cost growth per verified token, refined as rounds come in
+    beta: float = 0.1  # verify cost growth per verified token (fixed; see the module docstring)
     probe_every: int = 8  # rounds at k = 0 between probes
 
     def __post_init__(self):

@@ -113,10 +113,11 @@ def beam_search(
 def _top_candidates(parents: list[Beam], logprobs: torch.Tensor, count: int) -> list[tuple[int, int, float]]:
     """(parent index, token, total logprob) of the `count` best continuations, best first.
     logprobs [num_parents, vocab]."""
-    totals = logprobs + torch.tensor([b.logprob for b in parents], dtype=logprobs.dtype)[:, None]
+    parent_logprobs = torch.tensor([b.logprob for b in parents], dtype=logprobs.dtype, device=logprobs.device)
+    totals = logprobs + parent_logprobs[:, None]
     values, flat = totals.flatten().topk(min(count, totals.numel()))
     vocab = logprobs.shape[-1]
-    return [(int(i) // vocab, int(i) % vocab, float(v)) for v, i in zip(values, flat)]
+    return [(i // vocab, i % vocab, v) for v, i in zip(values.tolist(), flat.tolist())]
 
 
 def _fork_beams(engine: Engine, parents: list[Beam], chosen: list[tuple[int, int, float]]) -> list[Beam]:

@@ -113,6 +113,7 @@ def verify_sampled_batch(
     q: torch.Tensor | None,
     p: torch.Tensor,
     uniforms: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
 ) -> BatchVerifyOutcome:
     """Speculative sampling of B sequences at once, with the randomness given as uniforms.
 
@@ -120,27 +121,40 @@ def verify_sampled_batch(
     uniforms [B, k + 1]: column i < k tests draft i (accept iff u * q(x) < p(x), which happens with
     probability min(1, p(x)/q(x))); column k draws the final token by inverse CDF.
     Rigged uniforms force outcomes in tests; per-request generators fill them in `verify_sampled`.
+
+    Ragged batches: num_draft_tokens [B] (None = k everywhere) gives row b its own k_b <= k. Row b
+    then offers draft_ids[b, :k_b] (later columns are padding, e.g. PLACEHOLDER_TOKEN_ID, and never
+    read), p[b, k_b] is its bonus row and uniforms[b, k_b] draws its final token: each row keeps the
+    layout of a batch of its own, left-aligned, so its outcome is the one it would get alone.
     """
     batch_size, k = draft_ids.shape
     _check_chain_shapes(batch_size, k, q, p, uniforms)
-    if k > 0 and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= p.shape[-1]):
-        raise ValueError(f"draft token ids must lie in [0, {p.shape[-1]})")
+    if num_draft_tokens is None:
+        num_offered = torch.full((batch_size,), k, dtype=torch.long, device=p.device)  # [B]
+    elif tuple(num_draft_tokens.shape) == (batch_size,):
+        num_offered = num_draft_tokens.to(device=p.device, dtype=torch.long)  # [B], each in 0..k
+    else:
+        raise ValueError(f"num_draft_tokens must be [B={batch_size}], got {tuple(num_draft_tokens.shape)}")
     rows = torch.arange(batch_size, device=p.device)
-    draft = draft_ids.long()
+    offered = torch.arange(k, device=p.device)[None, :] < num_offered[:, None]  # [B, k]
+    out_of_vocab = (draft_ids < 0) | (draft_ids >= p.shape[-1])  # [B, k]
+    if k > 0 and bool((offered & out_of_vocab).any()):
+        raise ValueError(f"draft token ids must lie in [0, {p.shape[-1]})")
+    draft = torch.where(offered, draft_ids.long(), 0)  # [B, k], padding read as token 0, never accepted
     p_draft = p[:, :k].gather(-1, draft[..., None]).squeeze(-1).double()  # [B, k]
     q_draft = torch.ones_like(p_draft) if q is None else q.gather(-1, draft[..., None]).squeeze(-1).double()
-    accepted = uniforms[:, :k] * q_draft < p_draft  # [B, k]
+    accepted = (uniforms[:, :k] * q_draft < p_draft) & offered  # [B, k]
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B] length of the accepted prefix
-    final_dist = p[rows, num_accepted]  # [B, vocab]: the bonus row where num_accepted == k
+    final_dist = p[rows, num_accepted]  # [B, vocab]: the bonus row where num_accepted == k_b
     if k > 0:
-        rejected_at = num_accepted.clamp(max=k - 1)  # [B], meaningful where num_accepted < k
+        rejected_at = torch.minimum(num_accepted, (num_offered - 1).clamp_min(0))  # [B], used where num_accepted < k_b
         if q is None:
             residual = final_dist.scatter(-1, draft[rows, rejected_at][:, None], 0.0)
         else:
             residual = (final_dist - q[rows, rejected_at]).clamp_min(0.0)
-        use_residual = (num_accepted < k) & (residual.sum(dim=-1) > 0)  # [B]
+        use_residual = (num_accepted < num_offered) & (residual.sum(dim=-1) > 0)  # [B]
         final_dist = torch.where(use_residual[:, None], residual, final_dist)
-    final_ids = sample_with_uniforms(final_dist, uniforms[:, k])  # normalises implicitly
+    final_ids = sample_with_uniforms(final_dist, uniforms[rows, num_offered])  # normalises implicitly
     return BatchVerifyOutcome(num_accepted=num_accepted, final_token_ids=final_ids)
 
 

@@ -10,6 +10,9 @@ Pipeline (the order of transformers and vLLM):
 Greedy (temperature == 0) skips all of it: a one-hot row at the argmax (lowest index on ties, like
 `torch.argmax`), so greedy and sampled verification share one code path if wanted.
 
+`processed_probs` applies one request's params to all its rows; `processed_probs_rows` gives every
+row its own params (a batch of requests in one call) and returns the same bits row by row.
+
 Tie rules (deterministic, independent of how a sort orders equal values):
 - top-k keeps every token whose logit is >= the k-th largest logit, so ties at the boundary are all
   kept and the support may exceed k (as transformers' TopKLogitsWarper does).
@@ -117,20 +120,75 @@ def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
 
-def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Set logits below the k-th largest of their row to -inf; ties with the k-th are kept."""
-    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # [n, 1]
+def processed_probs_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> torch.Tensor:
+    """`processed_probs` with params per row: logits [n, vocab], temperature [n] (0 = greedy),
+    top_k [n] integer (0 = off), top_p [n] (1 = off) -> float32 probs [n, vocab].
+
+    Row i equals `processed_probs(logits[i:i + 1], params_i)` bit for bit: every stage runs on the
+    rows that use it, with the same kernels, and the temperature is rounded to float32 as the scalar
+    division there rounds it. (One exception, shared by `processed_probs` itself: torch splits the
+    top-p renormalising sum of a lone row of >= 32768 entries across CPU threads, so with several
+    threads that row's last bits depend on whether other rows came with it.) Pass the three
+    parameter tensors on the CPU: they decide which stages run without a device sync.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
+    num_rows, vocab_size = logits.shape
+    for name, values in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        if tuple(values.shape) != (num_rows,):
+            raise ValueError(f"{name} must be [n={num_rows}], got shape {tuple(values.shape)}")
+    temperature, top_k, top_p = temperature.cpu(), top_k.cpu().long(), top_p.cpu().double()
+    device = logits.device
+    logits = logits.float()
+    greedy = temperature == 0  # [n]
+    use_top_k = ~greedy & (top_k != TOP_K_DISABLED) & (top_k < vocab_size)  # [n]
+    use_top_p = ~greedy & (top_p < TOP_P_DISABLED)  # [n]
+    safe_temperature = torch.where(greedy, 1.0, temperature.double()).float()  # [n]; greedy rows replaced below
+    scaled = logits / safe_temperature.to(device)[:, None]  # [n, vocab]
+    if bool(use_top_k.any()):
+        rows = use_top_k.nonzero().squeeze(-1).to(device)  # [n_top_k]
+        scaled[rows] = top_k_mask(scaled[rows], top_k[use_top_k])
+    probs = torch.softmax(scaled, dim=-1)  # [n, vocab]
+    if bool(use_top_p.any()):
+        rows = use_top_p.nonzero().squeeze(-1).to(device)  # [n_top_p]
+        probs[rows] = top_p_filter(probs[rows], top_p[use_top_p])
+    if bool(greedy.any()):
+        rows = greedy.nonzero().squeeze(-1).to(device)  # [n_greedy]
+        probs[rows] = one_hot_argmax(logits[rows])
+    return probs
+
+
+def top_k_mask(logits: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+    """Set logits below the k-th largest of their row to -inf; ties with the k-th are kept.
+
+    k: one int for every row, or [n] per row (each in 1..vocab; pass it on the CPU to avoid a sync).
+    """
+    if isinstance(k, int):
+        kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]  # [n, 1]
+    else:
+        k = k.long()
+        largest = torch.topk(logits, int(k.max()), dim=-1).values  # [n, k_max], descending
+        kth_largest = largest.gather(-1, (k - 1).to(logits.device)[:, None])  # [n, 1]
     return logits.masked_fill(logits < kth_largest, float("-inf"))
 
 
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_filter(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     """Keep the nucleus of each row (tie rule in the module docstring) and renormalise.
+
+    top_p: one value for every row, or [n] per row.
 
     Worked example, top_p = 0.5, row [0.1, 0.3, 0.3, 0.2, 0.1]:
         sorted desc        0.3  0.3  0.2  0.1  0.1
         mass strictly above  0  0.3  0.6  0.8  0.9   (< 0.5 for the first two -> cutoff 0.3)
         kept: tokens 1 and 2 -> [0, 0.5, 0.5, 0, 0]
     """
+    if isinstance(top_p, torch.Tensor):
+        top_p = top_p.to(device=probs.device, dtype=torch.float64)[:, None]  # [n, 1]
     sorted_probs = torch.sort(probs, dim=-1, descending=True).values  # [n, vocab]
     mass_before = sorted_probs.double().cumsum(dim=-1) - sorted_probs.double()  # exclusive cumsum
     num_keep = (mass_before < top_p).sum(dim=-1, keepdim=True)  # [n, 1], >= 1 since top_p > 0

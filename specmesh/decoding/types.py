@@ -45,6 +45,7 @@ class VerifyOutcome:
     accepted_token_ids: list[int]  # [num_accepted]
     final_token_id: int  # the recovered or bonus token
     final_kind: FinalTokenKind
+    logits: torch.Tensor | None = None  # [num_accepted + 1, vocab] the target's logits that judged each emitted token (on request)
 
     @property
     def num_accepted(self) -> int:
@@ -56,8 +57,14 @@ class VerifyOutcome:
         return [*self.accepted_token_ids, self.final_token_id]
 
     @property
-    def is_bonus(self) -> bool:
-        return self.final_kind is FinalTokenKind.BONUS
+    def judging_rows(self) -> list[int]:
+        """[num_accepted + 1] which row of the verify forward's logits (row 0 = after the pending
+        token, row 1 + i = after draft node i) judged each emitted token.
+
+        >>> VerifyOutcome([1, 3], [6, 8], 2, FinalTokenKind.BONUS).judging_rows
+        [0, 2, 4]
+        """
+        return [0, *(node + 1 for node in self.accepted_nodes)]
 
 
 @dataclass

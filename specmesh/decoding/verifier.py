@@ -1,32 +1,35 @@
 """The target side of speculative decoding: sessions with server-side KV, verified in batches.
 
-A `TargetSession` is one sequence in the target engine. Its KV cache holds every token of the
-sequence except the last one emitted, the *pending* token: the next forward feeds the pending token
-followed by the draft, so one forward over [pending, x_0, ..., x_{k-1}] yields p_0..p_k (words as in
+A `TargetSession` is one sequence in the target engine: `token_ids` is the prompt and every token
+emitted since, and the engine's KV holds the first `num_cached` of them. Normally every token but
+the last, the *pending* token, is cached; the next forward feeds the uncached tokens followed by the
+draft, so one forward over [pending, x_0, ..., x_{k-1}] yields p_0..p_k (words as in
 `specmesh.decoding.rejection`). After verification the KV is rolled back to the accepted length and
-the final token becomes the new pending token.
+the final token becomes the new pending token. A new session has nothing cached (its first forward
+is the prefill, a round with no draft); `rewind` may uncache a tail (a cascade stage whose proposal
+the next stage cut short).
 
 Worked example (greedy, prompt of 4 tokens, k = 3):
     open:    forward [t0 t1 t2 t3], argmax -> 9          KV len 4, pending 9
     verify:  forward [9, 5, 6, 7] -> argmax [5, 6, 2, 8]   accepted [5, 6], final 2 (recovered)
              KV had 4 + 4 = 8 tokens; keep 4 + 1 + 2 = 7 (t0..t3 9 5 6); pending 2
 
-`verify_many` verifies several sessions in ONE ragged engine forward; `verify` is the batch of one.
+`verify_many` verifies several sessions in ONE ragged engine forward and accepts the whole batch in
+one vectorised call (`specmesh.decoding.acceptance`); `verify` is the batch of one.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from specmesh.decoding.rejection import verify_greedy, verify_sampled
-from specmesh.decoding.sampling import SamplingParams, processed_probs, sample
-from specmesh.decoding.tree import kept_forward_indices, tree_forward_input, verify_tree_greedy, verify_tree_sampled
-from specmesh.decoding.types import VerifyOutcome
-from specmesh.drafters.base import DraftProposal
+from specmesh.decoding.acceptance import accept_batch
+from specmesh.decoding.proposal import DraftProposal
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.tree import tree_forward_input
+from specmesh.decoding.types import NO_PARENT, VerifyOutcome
 from specmesh.models.engine import ContextLengthError, Engine, SeqInput
 
 
@@ -35,16 +38,32 @@ class TargetSession:
     seq_id: int
     params: SamplingParams
     generator: torch.Generator
-    pending_token_id: int  # the last emitted token; not yet in the KV cache
-    num_tokens: int  # prompt + emitted tokens (including the pending one)
+    token_ids: list[int]  # prompt + emitted tokens; after the first forward the last one is pending
     num_prompt_tokens: int
+    num_cached: int = 0  # leading token_ids held in the engine's KV
     num_forwards: int = 0  # target forwards this session took part in
 
+    @property
+    def pending_token_id(self) -> int:
+        return self.token_ids[-1]
 
-@dataclass
-class VerifyTiming:
-    verify_ms: float  # wall time of the batched forward + acceptance
-    batch_size: int  # sessions in that forward
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def validate_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int | None = None) -> list[int]:
+    """The prompt as a list of ints, or ValueError / ContextLengthError naming what is wrong: the one
+    prompt check of every entry point (library, services)."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt must have at least one token")
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt):
+        bad = next(t for t in prompt if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt) >= max_context:
+        raise ContextLengthError(f"prompt of {len(prompt)} tokens leaves no room in the {max_context}-token context")
+    return prompt
 
 
 class TargetVerifier:
@@ -67,47 +86,33 @@ class TargetVerifier:
         generators: Sequence[torch.Generator],
     ) -> list[TargetSession]:
         """Prefill several prompts in one forward; each session gets its first target token."""
-        for prompt in prompts:
-            if not prompt:
-                raise ValueError("the prompt must have at least one token")
-            if len(prompt) >= self.engine.max_context:
-                raise ContextLengthError(
-                    f"prompt of {len(prompt)} tokens leaves no room in the {self.engine.max_context}-token context"
-                )
-        seq_ids = [self.engine.new_sequence() for _ in prompts]
+        checked = [validate_prompt(prompt, self.engine.max_context, self.engine.vocab_size) for prompt in prompts]
+        sessions: list[TargetSession] = []
         try:
-            inputs = [SeqInput(seq_id, list(map(int, prompt)), [len(prompt) - 1]) for seq_id, prompt in zip(seq_ids, prompts)]
-            logits = self.engine.forward(inputs)
-        except Exception:
-            for seq_id in seq_ids:
-                self.engine.free(seq_id)
+            for prompt, p, g in zip(checked, params, generators):
+                sessions.append(TargetSession(self.engine.new_sequence(), p, g, prompt, len(prompt)))
+            self.verify_many(sessions, [DraftProposal(token_ids=[])] * len(sessions))
+        except BaseException:
+            for session in sessions:
+                self.engine.free(session.seq_id)
             raise
-        sessions = []
-        for seq_id, prompt, p, g, row in zip(seq_ids, prompts, params, generators, logits):
-            first = self._sample_one(row, p, g)
-            sessions.append(TargetSession(seq_id, p, g, first, len(prompt) + 1, len(prompt), num_forwards=1))
         return sessions
 
-    def verify(self, session: TargetSession, proposal: DraftProposal) -> VerifyOutcome:
-        return self.verify_many([session], [proposal])[0]
+    def verify(self, session: TargetSession, proposal: DraftProposal, keep_logits: bool = False) -> VerifyOutcome:
+        return self.verify_many([session], [proposal], keep_logits)[0]
 
-    def verify_many(self, sessions: Sequence[TargetSession], proposals: Sequence[DraftProposal]) -> list[VerifyOutcome]:
-        """Verify each session's proposal (an empty one = plain decoding) in one engine forward."""
-        inputs = []
-        for session, proposal in zip(sessions, proposals):
-            if proposal.num_tokens > self.max_draft_tokens(session):
-                raise ContextLengthError(
-                    f"{proposal.num_tokens} draft tokens exceed the context window "
-                    f"({session.num_tokens} of {self.engine.max_context} tokens used)"
-                )
-            proposal.validate(self.engine.vocab_size)
-            if proposal.is_tree:
-                tokens, parents = tree_forward_input(session.pending_token_id, proposal.token_ids, proposal.parents)
-            else:
-                tokens, parents = [session.pending_token_id, *proposal.token_ids], None
-            inputs.append(SeqInput(session.seq_id, tokens, list(range(len(tokens))), parents))
+    def verify_many(self, sessions: Sequence[TargetSession], proposals: Sequence[DraftProposal],
+                    keep_logits: bool = False) -> list[VerifyOutcome]:
+        """Verify each session's proposal (an empty one = plain decoding) in one engine forward.
+        `keep_logits` puts the logits that judged each emitted token in `VerifyOutcome.logits`."""
+        inputs = [self._forward_input(s, pr) for s, pr in zip(sessions, proposals)]
         logits = self.engine.forward(inputs)
-        return [self._accept(s, pr, row) for s, pr, row in zip(sessions, proposals, logits)]
+        outcomes = accept_batch(logits, proposals, [s.params for s in sessions], [s.generator for s in sessions])
+        for session, proposal, outcome, rows in zip(sessions, proposals, outcomes, logits):
+            self._advance(session, proposal, outcome)
+            if keep_logits:
+                outcome.logits = rows[outcome.judging_rows]
+        return outcomes
 
     def fork(
         self,
@@ -118,71 +123,77 @@ class TargetVerifier:
     ) -> list[TargetSession]:
         """Child sessions sharing the parent's KV (copy-on-write), one per params/generator.
 
-        Children start where the parent is (same pending token). With `append_token_ids`, one forward
-        over all children feeds [pending, *append_token_ids] and samples each child's next token under
-        its own params — e.g. Skeleton-of-Thought branches that each begin with their point's header.
+        Children start where the parent is (same tokens, same pending token). With `append_token_ids`,
+        one forward over all children feeds [pending, *append_token_ids] and samples each child's next
+        token under its own params — e.g. Skeleton-of-Thought branches that each begin with their
+        point's header. The parent is unchanged either way.
         """
-        if len(append_token_ids) > self.max_draft_tokens(parent):
-            raise ContextLengthError(f"{len(append_token_ids)} appended tokens do not fit in the context window")
+        append = [int(t) for t in append_token_ids]
+        if len(append) > self.max_draft_tokens(parent):
+            raise ContextLengthError(f"{len(append)} appended tokens do not fit in the context window")
         children: list[TargetSession] = []
         try:
             for child_params, generator in zip(params, generators):
                 children.append(TargetSession(
-                    self.engine.fork(parent.seq_id), child_params, generator, parent.pending_token_id,
-                    parent.num_tokens, parent.num_prompt_tokens,
+                    self.engine.fork(parent.seq_id), child_params, generator, [*parent.token_ids, *append],
+                    parent.num_prompt_tokens, parent.num_cached,
                 ))
-            if append_token_ids:
-                feed = [parent.pending_token_id, *map(int, append_token_ids)]
-                logits = self.engine.forward([SeqInput(c.seq_id, feed, [len(feed) - 1]) for c in children])
-                for child, row in zip(children, logits):
-                    child.pending_token_id = self._sample_one(row, child.params, child.generator)
-                    child.num_tokens += len(append_token_ids) + 1
-                    child.num_forwards += 1
+            if append:
+                self.verify_many(children, [DraftProposal(token_ids=[])] * len(children))
         except BaseException:
             for child in children:
                 self.engine.free(child.seq_id)
             raise
         return children
 
+    def rewind(self, session: TargetSession, token_ids: Sequence[int]) -> None:
+        """Make the session's sequence `token_ids`: the KV keeps the longest cached prefix the two
+        share, and the next forward feeds the rest (at least the last token).
+
+        Worked example: token_ids [p0 p1 a b x] with 4 cached (x pending); rewind to [p0 p1 a y z]
+        -> 3 stay cached (p0 p1 a), the next forward feeds [y, z, *draft]."""
+        new = [int(t) for t in token_ids]
+        if not new or len(new) > self.engine.max_context:
+            raise ContextLengthError(f"a sequence of {len(new)} tokens does not fit in the {self.engine.max_context}-token context")
+        common = 0
+        limit = min(session.num_cached, len(new) - 1)
+        while common < limit and session.token_ids[common] == new[common]:
+            common += 1
+        self.engine.truncate(session.seq_id, common)
+        session.token_ids, session.num_cached = new, common
+
     def close(self, session: TargetSession) -> None:
         self.engine.free(session.seq_id)
 
-    def _accept(self, session: TargetSession, proposal: DraftProposal, logits: torch.Tensor) -> VerifyOutcome:
-        """logits [1 + k, vocab] -> outcome; rolls the KV back to the accepted path."""
-        params, draft = session.params, proposal.token_ids
-        cached_before = session.num_tokens - 1
-        if params.is_greedy:
-            target_ids = logits.argmax(dim=-1).tolist()
-            if proposal.is_tree:
-                outcome = verify_tree_greedy(draft, proposal.parents, target_ids)
-            else:
-                outcome = verify_greedy(draft, target_ids)
-        else:
-            p = processed_probs(logits, params)
-            q = None if proposal.q is None else proposal.q.to(p.device)
-            if proposal.is_tree:
-                outcome = verify_tree_sampled(draft, proposal.parents, q, p, session.generator)
-            else:
-                outcome = verify_sampled(draft, q, p, session.generator)
+    def _forward_input(self, session: TargetSession, proposal: DraftProposal) -> SeqInput:
+        """[uncached tokens (the pending one last), *draft]; logits from the pending token on."""
+        if proposal.num_tokens > self.max_draft_tokens(session):
+            raise ContextLengthError(
+                f"{proposal.num_tokens} draft tokens exceed the context window "
+                f"({session.num_tokens} of {self.engine.max_context} tokens used)"
+            )
+        proposal.validate(self.engine.vocab_size)
+        uncached = session.token_ids[session.num_cached:]
+        if not uncached:
+            raise RuntimeError("a session always has its pending token uncached")
+        first = len(uncached) - 1  # index of the pending token in the feed
+        if not proposal.is_tree:
+            tokens = [*uncached, *proposal.token_ids]
+            return SeqInput(session.seq_id, tokens, list(range(first, len(tokens))))
+        tree_tokens, tree_parents = tree_forward_input(uncached[-1], proposal.token_ids, proposal.parents)
+        chain = [NO_PARENT, *range(first - 1)] if first else []  # uncached tokens before the pending one
+        parents = [*chain, first - 1 if first else NO_PARENT, *(p + first for p in tree_parents[1:])]
+        tokens = [*uncached[:-1], *tree_tokens]
+        return SeqInput(session.seq_id, tokens, list(range(first, len(tokens))), parents)
+
+    def _advance(self, session: TargetSession, proposal: DraftProposal, outcome: VerifyOutcome) -> None:
+        """Roll the KV back to the accepted path; the final token becomes the pending one."""
+        fed = session.num_tokens - session.num_cached  # uncached tokens fed before the draft
         if proposal.is_tree:
-            self.engine.keep_tree_path(session.seq_id, kept_forward_indices(outcome.accepted_nodes))
+            kept = [*range(fed), *(fed + node for node in outcome.accepted_nodes)]
+            self.engine.keep_tree_path(session.seq_id, kept)
         else:
-            self.engine.truncate(session.seq_id, cached_before + 1 + outcome.num_accepted)
-        session.pending_token_id = outcome.final_token_id
-        session.num_tokens += outcome.num_accepted + 1
+            self.engine.truncate(session.seq_id, session.num_cached + fed + outcome.num_accepted)
+        session.token_ids.extend(outcome.token_ids)
+        session.num_cached = session.num_tokens - 1
         session.num_forwards += 1
-        return outcome
-
-    @staticmethod
-    def _sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-        """logits [1, vocab] -> one token under the request's sampling."""
-        if params.is_greedy:
-            return int(logits[0].argmax())
-        return int(sample(processed_probs(logits, params), generator)[0])
-
-
-def timed(fn, *args):
-    """(result, elapsed_ms) of fn(*args)."""
-    start = time.perf_counter()
-    result = fn(*args)
-    return result, (time.perf_counter() - start) * 1e3

@@ -21,12 +21,12 @@ Worked example (k = 3, context of 10 tokens, pending = [c9]):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from specmesh.decoding.proposal import DraftProposal, normalize_q
 from specmesh.decoding.sampling import SamplingParams, processed_probs, sample
-from specmesh.drafters.base import DraftProposal
 from specmesh.models.engine import Engine, SeqInput
 
 
@@ -40,13 +40,19 @@ class ModelDraftState:
 
 
 class ModelDrafter:
-    """Drafts with a model on an `Engine`. Not thread-safe: one engine thread calls it."""
+    """Drafts with a model on an `Engine`. Not thread-safe: one engine thread calls it.
+
+    `q_transform` (e.g. `specmesh.drafters.wire_q.RoundQ`) maps each processed q row to the form it
+    is stored and sent in; the draft token is then drawn from `normalize_q` of that form, so the
+    proposal's q is exactly what was sampled from. Drafters with different transforms may share an
+    engine and serve the same session states."""
 
     name = "model"
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, q_transform: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.engine = engine
         self.device = engine.device  # where its generators must live
+        self.q_transform = q_transform
 
     def open(self, prompt_ids: Sequence[int]) -> ModelDraftState:
         """The prompt is prefilled lazily with the first proposal (it rides in the same forward)."""
@@ -115,10 +121,12 @@ class ModelDrafter:
             state.pending.extend(tokens)
         state.num_tokens += len(tokens)
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
-        """logits [1, vocab] -> (token, q [vocab] or None when greedy: q is then one-hot on the token)."""
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+        """logits [1, vocab] -> (token, stored q [vocab], or None when greedy: q is then one-hot)."""
         if params.is_greedy:
             return int(logits[0].argmax()), None
-        q = processed_probs(logits, params)
-        return int(sample(q, generator)[0]), q[0]
+        q = processed_probs(logits, params)  # [1, vocab]
+        if self.q_transform is None:
+            return int(sample(q, generator)[0]), q[0]
+        stored = self.q_transform(q)
+        return int(sample(normalize_q(stored).to(logits.device), generator)[0]), stored[0]

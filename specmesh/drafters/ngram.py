@@ -22,7 +22,7 @@ import torch
 
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.types import NO_PARENT
-from specmesh.drafters.base import DraftProposal
+from specmesh.decoding.proposal import DraftProposal
 
 
 def _check_orders(min_n: int, max_n: int) -> None:
@@ -164,6 +164,9 @@ class NgramStore:
 class PromptLookupDrafter:
     """Drafter over a `PromptLookupIndex` per session (chain proposals, q = None)."""
 
+    name = "prompt_lookup"
+    device = torch.device("cpu")  # needs no generator; sampling drafts are deterministic
+
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         _check_orders(min_n, max_n)
         self.min_n = min_n
@@ -186,12 +189,18 @@ class PromptLookupDrafter:
         state.extend(accepted_since_last)
         return DraftProposal(token_ids=state.propose(max_tokens))
 
+    def propose_many(self, states, accepted, max_tokens, params, generators) -> list[DraftProposal]:
+        return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]
+
     def close(self, state: PromptLookupIndex) -> None:
         """Nothing to release: the index is plain Python and dies with the state."""
 
 
 class NgramStoreDrafter:
     """Drafter over an `NgramStore` per session; a tree when max_branching > 1 (q = None)."""
+
+    name = "ngram_store"
+    device = torch.device("cpu")
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_branching: int = 1) -> None:
         _check_orders(min_n, max_n)
@@ -217,6 +226,9 @@ class NgramStoreDrafter:
         state.extend(accepted_since_last)
         token_ids, parents = state.propose_tree(max_tokens, self.max_branching)
         return DraftProposal(token_ids=token_ids, parents=parents if self.max_branching > 1 else None)
+
+    def propose_many(self, states, accepted, max_tokens, params, generators) -> list[DraftProposal]:
+        return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]
 
     def close(self, state: NgramStore) -> None:
         """Nothing to release: the store is plain Python and dies with the state."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from specmesh.models.engine import OutOfBlocksError
+from specmesh.kv.errors import OutOfBlocksError
 
 
 @dataclass
@@ -93,9 +93,6 @@ class BlockManager:
         self._next_seq_id += 1
         self._seqs[seq_id] = _Sequence(block_table=[], length=0)
         return seq_id
-
-    def has_sequence(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
 
     def length(self, seq_id: int) -> int:
         return self._seq(seq_id).length

@@ -18,16 +18,20 @@ which compacts the KV so the sequence reads prefix + c + d at positions 5, 6.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
 
 NO_PARENT = -1  # parents[i] == NO_PARENT: token i hangs directly off the cached prefix
+DEFAULT_MAX_KV_TOKENS = 16384  # KV pool size in tokens (all sequences together) unless configured
+DEFAULT_MAX_CONTEXT = 2048  # for configs that state no context length
 
 
-class OutOfBlocksError(RuntimeError):
-    """The KV pool has no free block left; services map it to RESOURCE_EXHAUSTED."""
+def config_max_context(text_config) -> int:
+    """The context window (tokens) a transformers text config states, or DEFAULT_MAX_CONTEXT."""
+    return int(getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+               or DEFAULT_MAX_CONTEXT)
 
 
 class ContextLengthError(ValueError):
@@ -47,12 +51,12 @@ class EngineStats:
     num_forwards: int = 0  # forward calls (one ragged batch each)
     num_sequences_forwarded: int = 0  # sum of batch sizes
     num_tokens_forwarded: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class Engine(Protocol):
     """Implemented by the native Llama-family engine and the HF fallback."""
 
+    backend: str  # "native" | "hf"
     vocab_size: int
     max_context: int  # tokens
     eos_token_ids: tuple[int, ...]

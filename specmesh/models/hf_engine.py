@@ -12,12 +12,14 @@ from typing import Sequence
 
 import torch
 
-from specmesh.models.engine import ContextLengthError, EngineStats, OutOfBlocksError, SeqInput
+from specmesh.kv.errors import OutOfBlocksError
+from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, ContextLengthError, EngineStats, SeqInput
 
-DEFAULT_MAX_KV_TOKENS = 16384
 
 
 class HFEngine:
+    backend = "hf"  # Engine.backend
+
     def __init__(self, model, max_context: int, eos_token_ids: Sequence[int] = (), max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS):
         self.model = model.eval()
         self.vocab_size = model.config.get_text_config().vocab_size

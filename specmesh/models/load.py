@@ -8,12 +8,11 @@ from pathlib import Path
 import torch
 
 from specmesh.models.config import NATIVE_MODEL_TYPES
-from specmesh.models.engine import Engine
+from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, Engine, config_max_context
 
 BACKENDS = ("auto", "native", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DTYPES.update({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64})
-DEFAULT_MAX_KV_TOKENS = 16384
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -61,11 +60,9 @@ def load_engine(
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if quantize not in (None, "int8"):
         raise ValueError(f"unknown quantize {quantize!r}; only 'int8'")
-    folder = Path(path_or_dir)
-    if not (folder / "config.json").exists():
-        from specmesh.models.resolve import resolve_model_spec
+    from specmesh.models.resolve import resolve_model_spec
 
-        folder = Path(resolve_model_spec(str(path_or_dir)))
+    folder = resolve_model_spec(str(path_or_dir))
     torch_dtype = parse_dtype(dtype)
     torch_device = torch.device(device)
     hf_config = AutoConfig.from_pretrained(folder)
@@ -91,6 +88,4 @@ def load_engine(
     from specmesh.models.hf_engine import HFEngine
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device)
-    text_config = hf_config.get_text_config()
-    max_context = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", 2048)
-    return HFEngine(model, max_context=max_context, eos_token_ids=eos, max_kv_tokens=max_kv_tokens)
+    return HFEngine(model, max_context=config_max_context(hf_config.get_text_config()), eos_token_ids=eos, max_kv_tokens=max_kv_tokens)

@@ -18,10 +18,9 @@ from typing import Sequence
 import torch
 
 from specmesh.kv.cache import PagedKVCache
-from specmesh.models.engine import NO_PARENT, ContextLengthError, EngineStats, SeqInput
+from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, NO_PARENT, ContextLengthError, EngineStats, SeqInput
 from specmesh.models.llama import AttentionBatch, LlamaFamilyModel
 
-DEFAULT_MAX_KV_TOKENS = 16384
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -52,6 +51,8 @@ def tree_depths(parents: Sequence[int]) -> list[int]:
 
 
 class NativeEngine:
+    backend = "native"  # Engine.backend
+
     def __init__(
         self,
         model: LlamaFamilyModel,

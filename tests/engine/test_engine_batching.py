@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from engine_helpers import random_ids, run_alone
-from specmesh.models.engine import NO_PARENT, ContextLengthError, OutOfBlocksError, SeqInput
+from specmesh.kv.errors import OutOfBlocksError
+from specmesh.models.engine import NO_PARENT, ContextLengthError, SeqInput
 from specmesh.models.load import load_engine
 
 ATOL = 1e-9  # float64 on the plain kernel: only summation order differs

@@ -5,7 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_helpers import hf_logits, random_ids, run_alone
-from specmesh.models.engine import NO_PARENT, OutOfBlocksError, SeqInput
+from specmesh.kv.errors import OutOfBlocksError
+from specmesh.models.engine import NO_PARENT, SeqInput
 from specmesh.models.hf_engine import HFEngine
 from specmesh.models.load import load_engine
 

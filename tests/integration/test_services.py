@@ -25,7 +25,7 @@ from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import PromptLookupDrafter
 from specmesh.models.load import load_engine
 from specmesh.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
-from specmesh.wire_q import RoundedQModelDrafter, WireSamplingParams
+from specmesh.drafters.wire_q import RoundQ
 from target_service.options import VerifyOptions
 from target_service.server import create_server as create_verify
 
@@ -58,14 +58,14 @@ def cluster(models):
         yield {name: (h, f"127.0.0.1:{h.port}") for name, h in handles.items()}
 
 
-def _reference(models, drafter_kind, prompt, params, k):
+def _reference(models, drafter_kind, prompt, params, k, q_dtype=None):
     verifier = TargetVerifier(load_engine(models["target"], dtype="float64"))
     if drafter_kind == "ngram":
         drafter = PromptLookupDrafter(min_n=1, max_n=3)
     elif drafter_kind == "self":
         drafter = ModelDrafter(load_engine(models["target"], dtype="float32"))
-    elif drafter_kind == "other-fp16":
-        drafter = RoundedQModelDrafter(load_engine(models["other"], dtype="float64"))
+    elif drafter_kind == "other-rounded":
+        drafter = ModelDrafter(load_engine(models["other"], dtype="float64"), q_transform=RoundQ(q_dtype))
     else:
         drafter = ModelDrafter(load_engine(models["other"], dtype="float64"))
     return generate(verifier, drafter, prompt, params, k_policy=FixedK(k))
@@ -90,9 +90,9 @@ def test_greedy_over_the_wire_equals_in_process(cluster, models, drafter_kind, k
 
 @pytest.mark.parametrize("q_dtype,sparse", [("float32", False), ("float32", True), ("float16", False), ("bfloat16", True)])
 def test_sampled_over_the_wire_equals_in_process_with_the_same_seed(cluster, models, q_dtype, sparse):
-    """q travels as the bytes the drafter sampled from. fp32 is the drafter's own q (compared with the
-    plain ModelDrafter); rounded dtypes are compared with RoundedQModelDrafter, which samples from the
-    same rounded-and-renormalised q (`specmesh.wire_q`)."""
+    """q travels as the values the drafter sampled from. fp32 is the drafter's own q (compared with the
+    plain ModelDrafter); rounded dtypes are compared with a ModelDrafter whose q transform rounds the
+    same way (`specmesh.drafters.wire_q`)."""
     for seed in (1, 2):
         prompt = PROMPTS[1]
         params = SamplingParams(seed=seed, **SAMPLED)
@@ -100,8 +100,7 @@ def test_sampled_over_the_wire_equals_in_process_with_the_same_seed(cluster, mod
         if q_dtype == "float32":
             ref = _reference(models, "other", prompt, params, 4)
         else:
-            rounded = WireSamplingParams(seed=seed, q_wire_dtype=getattr(torch, q_dtype), **SAMPLED)
-            ref = _reference(models, "other-fp16", prompt, rounded, 4)
+            ref = _reference(models, "other-rounded", prompt, params, 4, q_dtype=getattr(torch, q_dtype))
         assert wire.token_ids == ref.token_ids
         assert 0 < wire.stats.num_accepted_tokens < wire.stats.num_draft_tokens  # both accept and reject paths ran
 
@@ -162,7 +161,7 @@ def test_errors_map_to_status_codes_and_the_services_keep_serving(cluster):
     tiny_ch = grpc.insecure_channel(cluster["tiny_kv"][1])
     verify, draft = verify_pb2_grpc.VerifyServiceStub(verify_ch), draft_pb2_grpc.DraftServiceStub(draft_ch)
     vocab = verify.GetInfo(verify_pb2.VerifyGetInfoRequest()).model.vocab_size
-    greedy = common_pb2.SamplingParams(temperature=0)
+    greedy = common_pb2.SamplingParams(temperature=0, ignore_eos=True)  # rounds past EOS are refused
     session = verify.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=[1, 2, 3], sampling=greedy)).session_id
     draft_session = draft.OpenSession(draft_pb2.DraftOpenSessionRequest(prompt_token_ids=[1, 2, 3], sampling=greedy)).session_id
     bad_q = common_pb2.DraftDistributions(dense=common_pb2.Tensor(dtype=common_pb2.D_TYPE_FLOAT32, shape=[1, vocab], data=b"\0" * 7))

@@ -6,7 +6,7 @@ import pytest
 
 import specmesh.kv.block_manager as block_manager_module
 from specmesh.kv.block_manager import BlockManager
-from specmesh.models.engine import OutOfBlocksError
+from specmesh.kv.errors import OutOfBlocksError
 
 
 def test_docstring_examples():

@@ -8,7 +8,7 @@ import specmesh.drafters.ngram as ngram_module
 from specmesh.decoding.rejection import verify_greedy
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.tree import tree_children, validate_parents, verify_tree_greedy
-from specmesh.drafters.base import DraftProposal
+from specmesh.decoding.proposal import DraftProposal
 from specmesh.drafters.ngram import NgramStore, NgramStoreDrafter, PromptLookupDrafter, PromptLookupIndex
 
 GREEDY = SamplingParams(temperature=0)

@@ -5,6 +5,10 @@ exact processed distributions q the tokens were drawn from — what `specmesh.de
 `specmesh.decoding.tree` need for exact verification. A deterministic drafter (n-gram lookup)
 returns q = None, meaning one-hot q at each drafted token, which keeps verification lossless.
 
+q is kept in the dtype it was stored in. A drafter whose q travels rounded (float16 / bfloat16 on the
+wire, see `specmesh.drafters.wire_q`) samples from `normalize_q(rounded)` and returns the rounded rows:
+every process that verifies them computes the same float32 probabilities from the same values.
+
 Session flow (the coordinator's loop):
     state = drafter.open(prompt_ids)
     proposal = drafter.propose(state, [first_token], k, params, generator)
@@ -29,12 +33,28 @@ from specmesh.decoding.tree import chain_parents, validate_parents
 DrafterState = TypeVar("DrafterState")
 
 
+def normalize_q(q: torch.Tensor) -> torch.Tensor:
+    """Stored q [..., vocab] -> the float32 probabilities the draft tokens were drawn from, on the CPU.
+
+    float32 passes through unchanged; rounded dtypes are renormalised deterministically (float64 sum
+    on the CPU, then float32), so every process computes the same bits from the same values.
+
+    >>> normalize_q(torch.tensor([[1.0, 3.0]], dtype=torch.float16)).tolist()
+    [[0.25, 0.75]]
+    """
+    q = q.detach().cpu()
+    if q.dtype == torch.float32:
+        return q
+    wide = q.double()
+    return (wide / wide.sum(dim=-1, keepdim=True)).float()
+
+
 @dataclass
 class DraftProposal:
     """Draft tokens for one sequence; an empty proposal (k = 0) means "decode one token plainly"."""
 
     token_ids: list[int]  # [k]
-    q: torch.Tensor | None = None  # [k, vocab] q[i] = what token_ids[i] was drawn from; None = one-hot
+    q: torch.Tensor | None = None  # [k, vocab] token_ids[i] was drawn from normalize_q(q)[i]; None = one-hot
     parents: list[int] | None = None  # [k] tree parents (NO_PARENT = off the last token); None = chain
 
     @property
@@ -44,6 +64,10 @@ class DraftProposal:
     @property
     def is_tree(self) -> bool:
         return self.parents is not None
+
+    def probs_q(self) -> torch.Tensor | None:
+        """[k, vocab] float32 (CPU) q as the verifier uses it, or None (one-hot)."""
+        return None if self.q is None else normalize_q(self.q)
 
     def tree_parents(self) -> list[int]:
         """[k] parents, also for a chain ([NO_PARENT, 0, 1, ...])."""
@@ -71,7 +95,10 @@ class DraftProposal:
 
 
 class Drafter(Protocol[DrafterState]):
-    """Implemented by the n-gram drafters here and by the model drafter."""
+    """Implemented by the n-gram drafters and the model drafter (`specmesh.drafters`)."""
+
+    name: str  # "model", "prompt_lookup", ... (reported in stats and GetInfo)
+    device: torch.device  # where the generators passed to `propose` must live
 
     def open(self, prompt_ids: Sequence[int]) -> DrafterState:
         """Start a session on the prompt; returns the drafter's per-session state."""
@@ -87,6 +114,17 @@ class Drafter(Protocol[DrafterState]):
     ) -> DraftProposal:
         """Append accepted_since_last to the session, then propose up to max_tokens draft tokens
         (the whole tree counts), drawing any randomness from `generator` only."""
+        ...
+
+    def propose_many(
+        self,
+        states: Sequence[DrafterState],
+        accepted: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+    ) -> list[DraftProposal]:
+        """`propose` for several sessions at once (a model drafter runs one forward per position)."""
         ...
 
     def close(self, state: DrafterState) -> None:

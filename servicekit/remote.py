@@ -1,0 +1,145 @@
+"""gRPC adapters that let the async speculation driver use remote services.
+
+    verifier = RemoteVerifier(verify_pb2_grpc.VerifyServiceStub(channel))
+    drafter = RemoteDrafter(draft_pb2_grpc.DraftServiceStub(channel), q_dtype=torch.float16)
+    async for event in speculative_stream_async(verifier, drafter, prompt_ids, params): ...
+
+They implement `specmesh.decoding.async_driver.AsyncVerifier` / `AsyncDrafter`: conversion and
+calls only, no speculation logic. q travels in the dtype the drafter stored it in (the values it
+sampled from), dense or as its exact support. `WireCounters` counts messages' bytes per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import grpc
+import torch
+
+from servicekit.convert import (FINISH_FROM_PB, PB_BY_TORCH, distributions_from_pb, distributions_to_pb,
+                                sampling_to_pb, token_ids_from_pb)
+from specmesh.decoding.async_driver import TargetInfo
+from specmesh.decoding.proposal import DraftProposal
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.state import FinishReason
+from specmesh.decoding.tree import tree_children
+from specmesh.decoding.types import FinalTokenKind, VerifyOutcome
+from specmesh.proto.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+
+
+@dataclass
+class WireCounters:
+    """Serialized bytes of every request and response, summed per round (a Propose + a Verify)."""
+
+    bytes_per_round: list[int] = field(default_factory=list)
+    _pending_bytes: int = 0
+
+    def add(self, *messages) -> None:
+        self._pending_bytes += sum(m.ByteSize() for m in messages)
+
+    def end_round(self) -> None:
+        self.bytes_per_round.append(self._pending_bytes)
+        self._pending_bytes = 0
+
+
+class RemoteVerifier:
+    def __init__(self, stub: verify_pb2_grpc.VerifyServiceStub, *, timeout_s: float = 60.0, sparse_q: bool = False,
+                 counters: WireCounters | None = None):
+        self.stub = stub
+        self.timeout_s = timeout_s
+        self.sparse_q = sparse_q
+        self.counters = counters or WireCounters()
+        self._info: TargetInfo | None = None
+
+    async def info(self) -> TargetInfo:
+        if self._info is None:
+            model = (await self.stub.GetInfo(verify_pb2.VerifyGetInfoRequest(), timeout=self.timeout_s)).model
+            self._info = TargetInfo(model.vocab_size, model.max_context_tokens, tuple(model.eos_token_ids))
+        return self._info
+
+    async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[str, int]:
+        response = await self.stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(
+            prompt_token_ids=list(prompt_ids), sampling=sampling_to_pb(params)), timeout=self.timeout_s)
+        return response.session_id, response.first_token_id
+
+    async def verify(self, session_id: str, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
+        request = verify_pb2.VerifyRequest(session_id=session_id, draft_token_ids=proposal.token_ids)
+        if proposal.parents is not None:
+            request.tree_parents.extend(proposal.parents)
+        if proposal.q is not None and proposal.num_tokens:
+            vocab_size = (await self.info()).vocab_size
+            request.distributions.CopyFrom(distributions_to_pb(proposal.q, proposal.q.dtype, self.sparse_q, vocab_size))
+        response = await self.stub.Verify(request, timeout=self.timeout_s)
+        self.counters.add(request, response)
+        self.counters.end_round()
+        return outcome_from_pb(response, proposal), FINISH_FROM_PB[response.finish_reason]
+
+    async def close(self, session_id: str) -> None:
+        await _close_quietly(self.stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id),
+                                                    timeout=self.timeout_s))
+
+
+class RemoteDrafter:
+    def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, *, q_dtype: torch.dtype = torch.float32,
+                 sparse_q: bool = False, timeout_s: float = 60.0, counters: WireCounters | None = None):
+        if q_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"q travels as float32, float16 or bfloat16, not {q_dtype}")
+        self.stub = stub
+        self.q_dtype = q_dtype
+        self.sparse_q = sparse_q
+        self.timeout_s = timeout_s
+        self.counters = counters or WireCounters()
+        self._params: dict[str, SamplingParams] = {}
+        self._vocab_size: int | None = None
+
+    async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> str:
+        if self._vocab_size is None:
+            info = await self.stub.GetInfo(draft_pb2.DraftGetInfoRequest(), timeout=self.timeout_s)
+            self._vocab_size = info.model.vocab_size
+        response = await self.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
+            prompt_token_ids=list(prompt_ids), sampling=sampling_to_pb(params)), timeout=self.timeout_s)
+        self._params[response.session_id] = params
+        return response.session_id
+
+    async def propose(self, session_id: str, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
+        request = draft_pb2.ProposeRequest(
+            session_id=session_id, accepted_token_ids=list(accepted_since_last), num_draft_tokens=max_tokens,
+            return_distributions=not self._params[session_id].is_greedy, sparse_distributions=self.sparse_q,
+            distributions_dtype=PB_BY_TORCH[self.q_dtype])
+        response = await self.stub.Propose(request, timeout=self.timeout_s)
+        self.counters.add(request, response)
+        token_ids = token_ids_from_pb(response.draft_token_ids, self._vocab_size, "draft_token_ids")
+        q = None
+        if response.HasField("distributions"):
+            q = distributions_from_pb(response.distributions, len(token_ids), self._vocab_size)
+        return DraftProposal(token_ids=token_ids, q=q, parents=list(response.tree_parents) or None)
+
+    async def close(self, session_id: str) -> None:
+        self._params.pop(session_id, None)
+        await _close_quietly(self.stub.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=session_id),
+                                                    timeout=self.timeout_s))
+
+
+def outcome_from_pb(response: verify_pb2.VerifyResponse, proposal: DraftProposal) -> VerifyOutcome:
+    """The VerifyOutcome a VerifyResponse reports for `proposal`."""
+    tokens = list(response.accepted_token_ids)
+    num_accepted = response.num_accepted_tokens
+    if len(tokens) != num_accepted + 1:
+        raise ValueError(f"malformed VerifyResponse: {len(tokens)} tokens for {num_accepted} accepted")
+    if proposal.is_tree:
+        nodes = list(response.accepted_tree_nodes)
+        leaf_row = nodes[-1] + 1 if nodes else 0
+        bonus = not tree_children(proposal.parents)[leaf_row]
+    else:
+        nodes = list(range(num_accepted))
+        bonus = num_accepted == proposal.num_tokens
+    return VerifyOutcome(nodes, tokens[:num_accepted], tokens[num_accepted],
+                         FinalTokenKind.BONUS if bonus else FinalTokenKind.RECOVERED)
+
+
+async def _close_quietly(call) -> None:
+    try:
+        await call
+    except grpc.aio.AioRpcError:
+        pass  # the session already expired or the service went away: nothing left to free

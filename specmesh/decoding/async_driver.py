@@ -1,0 +1,114 @@
+"""The asyncio driver of the speculation round, over drafters and verifiers that live elsewhere.
+
+    async for event in speculative_stream_async(verifier, drafter, prompt_ids, params):
+        ...                                   # the same StepEvents as the in-process loop
+
+`verifier` / `drafter` are anything with the `AsyncVerifier` / `AsyncDrafter` methods: gRPC
+adapters for the Verify and Draft services (`servicekit.remote`), or in-process objects in tests.
+The round (k, finish rules, stats) is `specmesh.decoding.state`, stepped exactly as the in-process
+driver steps it, so for the same models and seed both yield the same tokens. The request's seed is
+resolved here and sent to both sides; each derives its generator from it (the drafter's through
+`draft_seed`), as in-process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
+
+from specmesh.decoding.adaptive import KPolicy
+from specmesh.decoding.proposal import DraftProposal
+from specmesh.decoding.sampling import SamplingParams, make_generator
+from specmesh.decoding.state import FinishReason, SpeculationState, StepEvent
+from specmesh.decoding.types import VerifyOutcome
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the driver needs to know of the target model."""
+
+    vocab_size: int
+    max_context: int  # tokens
+    eos_token_ids: tuple[int, ...]
+
+
+class AsyncVerifier(Protocol):
+    async def info(self) -> TargetInfo: ...
+
+    async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[Any, int]:
+        """Prefill; returns (session handle, the target's first token). `params.seed` is set."""
+        ...
+
+    async def verify(self, session: Any, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
+        """One round; returns the outcome and the verifier's own finish verdict (None: not finished
+        or not known), which must agree with the driver's."""
+        ...
+
+    async def close(self, session: Any) -> None: ...
+
+
+class AsyncDrafter(Protocol):
+    async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> Any: ...
+
+    async def propose(self, state: Any, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal: ...
+
+    async def close(self, state: Any) -> None: ...
+
+
+async def speculative_stream_async(
+    verifier: AsyncVerifier,
+    drafter: AsyncDrafter | None,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    k_policy: KPolicy | None = None,
+    decode: Callable[[Sequence[int]], str] | None = None,
+) -> AsyncIterator[StepEvent]:
+    """Speculative decoding with remote parts (plain decoding on the verifier when `drafter` is None)."""
+    info = await verifier.info()
+    seed = make_generator(params.seed)[1]
+    params = dataclasses.replace(params, seed=seed)
+    state = SpeculationState(
+        params, num_prompt_tokens=len(prompt_ids), max_context=info.max_context, eos_token_ids=info.eos_token_ids,
+        k_policy=k_policy, has_drafter=drafter is not None, decode=decode, prompt_ids=prompt_ids, seed=seed,
+        vocab_size=info.vocab_size,
+    )
+    start = time.perf_counter()
+    session, first_token_id = await verifier.open(prompt_ids, params)
+    draft_state = None
+    try:
+        yield state.start(first_token_id, (time.perf_counter() - start) * 1e3)
+        if drafter is not None and not state.finished:
+            draft_state = await drafter.open(prompt_ids, params)
+        while not state.finished:
+            k = state.next_k()
+            proposal, draft_ms = DraftProposal(token_ids=[]), 0.0
+            if drafter is not None:
+                start = time.perf_counter()
+                proposal = await drafter.propose(draft_state, state.take_draft_input(), k)
+                draft_ms = (time.perf_counter() - start) * 1e3
+            start = time.perf_counter()
+            outcome, their_finish = await verifier.verify(session, proposal)
+            verify_ms = (time.perf_counter() - start) * 1e3
+            event = state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms)
+            if their_finish is not None and not state.finished:
+                raise RuntimeError(f"the verifier finished the session ({their_finish.value}) before the driver did: "
+                                   "their sampling params or model limits differ")
+            yield event
+    finally:
+        await verifier.close(session)
+        if draft_state is not None:
+            await drafter.close(draft_state)
+
+
+async def generate_async(
+    verifier: AsyncVerifier,
+    drafter: AsyncDrafter | None,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    **kwargs,
+) -> list[StepEvent]:
+    """`speculative_stream_async`, collected into its events."""
+    return [event async for event in speculative_stream_async(verifier, drafter, prompt_ids, params, **kwargs)]

@@ -1,0 +1,196 @@
+"""The speculation round, once: a sans-IO state machine that every driver steps.
+
+A driver (the in-process loop, the async loop over remote services, the Verify service's fused
+`Step`, a cascade stage, a Skeleton-of-Thought branch) does the I/O: it asks the state what to do,
+runs the draft and the verify wherever they live, and hands the outcome back.
+
+    state = SpeculationState(params, num_prompt_tokens=len(prompt), max_context=..., eos_token_ids=...)
+    event = state.start(first_token_id)              # the target's prefill produced the first token
+    while not state.finished:
+        k = state.next_k()                           # policy k, capped by budget and context
+        proposal = drafter.propose(..., state.take_draft_input(), k, ...)
+        outcome = verifier.verify(..., proposal)
+        event = state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms)
+
+It holds no engine, no session and no socket. Everything a round decides lives here: the draft
+length (from the `KPolicy`, capped by what is left of max_new_tokens and of the context window), the
+finish rules (EOS or stop token, max_new_tokens, stop strings, a full context) and the statistics.
+
+Worked example (greedy, max_new_tokens = 5, EOS = 2, prompt of 3 tokens, context of 64):
+    start(7)                            emits [7]                   generated [7]
+    next_k() with the policy at 4   ->  min(4, 5 - 1 - 1, 64 - 4) = 3
+    record(3, 1, [8, 9])                emits [8, 9]                generated [7, 8, 9]
+    next_k()                        ->  min(4, 5 - 3 - 1) = 1
+    record(1, 1, [2, 5])                emits [2], finish EOS       (5 came after EOS: dropped)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from specmesh.decoding.adaptive import AdaptiveK, FixedK, KPolicy
+from specmesh.decoding.detokenize import TextStream
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.stats import SpecStats
+
+DRAFT_SEED_SALT = 0x5EED_D4AF  # the drafter's generator is seeded with seed ^ this
+
+
+def draft_seed(seed: int) -> int:
+    """The drafter's seed for a request seed: the same split in-process and over the wire."""
+    return seed ^ DRAFT_SEED_SALT
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"  # an EOS or stop token id (kept in the output)
+    LENGTH = "length"  # max_new_tokens
+    STOP = "stop"  # a stop string (the output is cut after the token that completes it)
+    CONTEXT = "context"  # the model's context window is full
+
+
+@dataclass
+class StepEvent:
+    """What one round added. The last event of a generation has `finish_reason` and `stats`."""
+
+    token_ids: list[int]  # new tokens, in order (may be empty on the last event)
+    num_draft_tokens: int = 0  # drafted this round
+    num_accepted_tokens: int = 0  # of those, accepted
+    finish_reason: FinishReason | None = None
+    stats: SpecStats | None = None
+    text: str = ""  # new visible text, when the state decodes (stop strings or streaming text)
+
+
+class SpeculationState:
+    """One generation's round-by-round state (module docstring). Not thread-safe; no I/O."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        num_prompt_tokens: int,
+        max_context: int,
+        eos_token_ids: Sequence[int] = (),
+        k_policy: KPolicy | None = None,
+        has_drafter: bool = True,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        prompt_ids: Sequence[int] = (),
+        seed: int = 0,
+        vocab_size: int | None = None,
+    ):
+        params.validate(vocab_size)
+        if params.stop and decode is None:
+            raise ValueError("stop strings need a tokenizer to decode the output; this caller works on token ids")
+        self.params = params
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_context = max_context
+        self.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.k_policy: KPolicy = k_policy or (AdaptiveK() if has_drafter else FixedK(0))
+        self.has_drafter = has_drafter
+        self.text = TextStream(decode, params.stop, prompt_ids[-8:]) if decode is not None else None
+        self.stats = SpecStats(seed=seed)
+        self.generated: list[int] = []  # kept output tokens (the EOS / stop-completing token included)
+        self.finish_reason: FinishReason | None = None
+        self.num_tokens = num_prompt_tokens  # prompt + every token the target emitted (the pending one too)
+        self._emitted: list[int] = []  # every token the target emitted, also past a finish (what the KV saw)
+        self._num_told_drafter = 0
+        self._start_s = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def context_left(self) -> int:
+        """Draft tokens that still fit in the context window after the pending token."""
+        return max(0, self.max_context - self.num_tokens)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most draft tokens the next round may verify: the last round may emit up to
+        max_new_tokens (k accepted + 1), and every token must fit in the context window."""
+        return max(0, min(self.params.max_new_tokens - len(self.generated) - 1, self.context_left))
+
+    def start(self, first_token_id: int, prefill_ms: float = 0.0) -> StepEvent:
+        """The target's prefill emitted the first token (one target forward)."""
+        if self.num_tokens != self.num_prompt_tokens:
+            raise RuntimeError("start() is called once, before any round")
+        self.stats.num_target_forwards += 1
+        self.stats.verify_ms += prefill_ms
+        return self._emit([first_token_id], 0, 0)
+
+    def next_k(self, requested: int | None = None) -> int:
+        """Draft length for the next round: `requested` (a caller's fixed k) or the policy's, capped
+        by `max_draft_tokens`; 0 without a drafter."""
+        if self.finished:
+            raise RuntimeError(f"the generation has finished ({self.finish_reason.value})")
+        if not self.has_drafter:
+            return 0
+        k = self.k_policy.next_k() if requested is None else requested
+        return max(0, min(k, self.max_draft_tokens))
+
+    def take_draft_input(self) -> list[int]:
+        """Tokens the sequence grew by since the drafter was last told (the `accepted_since_last`
+        of `Drafter.propose`); telling it is the caller's job once this returns."""
+        new = self._emitted[self._num_told_drafter:]
+        self._num_told_drafter = len(self._emitted)
+        return new
+
+    def record(
+        self,
+        num_drafted: int,
+        num_accepted: int,
+        token_ids: Sequence[int],
+        draft_ms: float = 0.0,
+        verify_ms: float = 0.0,
+    ) -> StepEvent:
+        """Fold in one verified round: `num_drafted` draft tokens (a tree counts its accepted path's
+        depth bound, the chain its length), `num_accepted` kept, and `token_ids` the accepted tokens
+        plus the final one, as the target's sequence grew."""
+        if self.finished:
+            raise RuntimeError(f"the generation has finished ({self.finish_reason.value})")
+        if len(token_ids) != num_accepted + 1:
+            raise ValueError(f"a round emits num_accepted + 1 = {num_accepted + 1} tokens, got {len(token_ids)}")
+        self.stats.record_round(num_drafted, num_accepted, draft_ms, verify_ms)
+        self.k_policy.update(num_drafted, num_accepted, draft_ms, verify_ms)
+        return self._emit(list(map(int, token_ids)), num_drafted, num_accepted)
+
+    def _emit(self, new_tokens: list[int], num_drafted: int, num_accepted: int) -> StepEvent:
+        self._emitted.extend(new_tokens)
+        self.num_tokens += len(new_tokens)
+        kept, finish = self._clip(new_tokens)
+        self.generated.extend(kept)
+        text = ""
+        if self.text is not None:
+            text = self.text.take_delta()
+        if finish is None and self.context_left == 0:
+            finish = FinishReason.CONTEXT
+        self.stats.num_generated_tokens = len(self.generated)
+        if finish is None:
+            return StepEvent(kept, num_drafted, num_accepted, text=text)
+        self.finish_reason = finish
+        if self.text is not None:
+            text += self.text.finish()
+        self.stats.wall_ms = (time.perf_counter() - self._start_s) * 1e3
+        return StepEvent(kept, num_drafted, num_accepted, finish, self.stats, text)
+
+    def _clip(self, new_tokens: list[int]) -> tuple[list[int], FinishReason | None]:
+        """The part of `new_tokens` to keep, and why generation ends there (if it does): an EOS /
+        stop token (kept), max_new_tokens, or a stop string (cut after the token completing it)."""
+        kept: list[int] = []
+        finish = None
+        for token in new_tokens:
+            kept.append(token)
+            if token in self.stop_token_ids:
+                finish = FinishReason.EOS
+                break
+            if len(self.generated) + len(kept) >= self.params.max_new_tokens:
+                finish = FinishReason.LENGTH
+                break
+        if self.text is not None:
+            keep = self.text.add(kept)
+            if keep is not None:
+                return kept[:keep], FinishReason.STOP
+        return kept, finish
