@@ -29,10 +29,10 @@ model: install
 	$(PY) -m specmesh.models.resolve default
 
 test: install proto-check model
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests specmesh --doctest-modules -q
 
 test-fast: install
-	$(PY) -m pytest tests -q -m "not slow"
+	$(PY) -m pytest tests specmesh --doctest-modules -q -m "not slow"
 
 bench: install model
 	@set -e; for script in bench/[a-z]*.py; do echo "== $$script"; $(PY) $$script; done

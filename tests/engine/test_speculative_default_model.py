@@ -60,8 +60,9 @@ def _top2_margin(engine, context: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-@pytest.mark.parametrize("k", [1, 4, 8, "adaptive"])
-@pytest.mark.parametrize("drafter_name", ["ngram", "bf16", "int8"])
+# One cell per drafter kind: the k sweep is proven on the tiny models (tests/engine/test_speculative.py),
+# where equality is exact; here the real weights add near-tie behaviour, not new k logic.
+@pytest.mark.parametrize("drafter_name,k", [("ngram", 8), ("bf16", "adaptive"), ("int8", 4)])
 def test_default_model_speculative_matches_target(setup, drafter_name, k, capsys):
     target, verifier, drafters, prompts, reference, params = setup
     near_ties = []

@@ -1,11 +1,9 @@
-import doctest
 import math
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
-import specmesh.decoding.sampling as sampling_module
 from specmesh.decoding.sampling import (
     SamplingParams,
     make_generator,
@@ -17,10 +15,6 @@ from specmesh.decoding.sampling import (
     top_p_filter,
 )
 from specmesh.decoding.types import SparseProbs
-
-
-def test_docstring_examples():
-    assert doctest.testmod(sampling_module).failed == 0
 
 
 # ---- SamplingParams.validate -------------------------------------------------------------------

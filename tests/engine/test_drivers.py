@@ -1,0 +1,91 @@
+"""Every driver steps the one SpeculationState: the in-process loop and the async loop give the
+same tokens, finish reason and round counts for the same models and seed (greedy and sampled,
+chains and trees). The async loop here runs over in-process adapters; over gRPC it is
+tests/integration/test_services.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specmesh.decoding.adaptive import FixedK
+from specmesh.decoding.async_driver import TargetInfo, generate_async
+from specmesh.decoding.proposal import DraftProposal
+from specmesh.decoding.sampling import SamplingParams, make_generator
+from specmesh.decoding.speculative import generate
+from specmesh.decoding.state import draft_seed
+from specmesh.decoding.verifier import TargetVerifier
+from specmesh.drafters.model import ModelDrafter
+from specmesh.drafters.ngram import NgramStoreDrafter, PromptLookupDrafter
+from specmesh.models.load import load_engine
+
+PROMPT = [5, 17, 33, 5, 17, 33, 5, 17, 8]
+
+
+class InProcessVerifier:
+    """AsyncVerifier over a local TargetVerifier (what a Verify service does, minus the wire)."""
+
+    def __init__(self, verifier: TargetVerifier):
+        self.verifier = verifier
+
+    async def info(self) -> TargetInfo:
+        engine = self.verifier.engine
+        return TargetInfo(engine.vocab_size, engine.max_context, tuple(engine.eos_token_ids))
+
+    async def open(self, prompt_ids, params):
+        session = self.verifier.open(prompt_ids, params, make_generator(params.seed, self.verifier.engine.device)[0])
+        return session, session.pending_token_id
+
+    async def verify(self, session, proposal: DraftProposal):
+        return self.verifier.verify(session, proposal), None
+
+    async def close(self, session) -> None:
+        self.verifier.close(session)
+
+
+class InProcessDrafter:
+    """AsyncDrafter over a local Drafter (what a Draft service does, minus the wire)."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    async def open(self, prompt_ids, params):
+        generator = make_generator(draft_seed(params.seed), self.drafter.device)[0]
+        return self.drafter.open(prompt_ids), params, generator
+
+    async def propose(self, state, accepted_since_last, max_tokens):
+        draft_state, params, generator = state
+        return self.drafter.propose(draft_state, accepted_since_last, max_tokens, params, generator)
+
+    async def close(self, state) -> None:
+        self.drafter.close(state[0])
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    target_dir = tiny_model_dir("llama", init_std=0.2)
+    return {"target": load_engine(target_dir, dtype="float64"), "draft": load_engine(target_dir, dtype="float32")}
+
+
+def _drafter(kind, engines):
+    return {"model": lambda: ModelDrafter(engines["draft"]), "ngram": lambda: PromptLookupDrafter(1, 3),
+            "tree": lambda: NgramStoreDrafter(1, 3, max_branching=2), "none": lambda: None}[kind]()
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram", "tree", "none"])
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=11)])
+def test_sync_and_async_drivers_give_identical_generations(engines, drafter_kind, sampling):
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, **sampling)
+    verifier = TargetVerifier(engines["target"])
+    sync = generate(verifier, _drafter(drafter_kind, engines), PROMPT, params, k_policy=FixedK(3))
+    drafter = _drafter(drafter_kind, engines)
+    events = asyncio.run(generate_async(InProcessVerifier(verifier), None if drafter is None else InProcessDrafter(drafter),
+                                        PROMPT, params, k_policy=FixedK(3)))
+    assert [t for e in events for t in e.token_ids] == sync.token_ids
+    assert events[-1].finish_reason is sync.finish_reason
+    async_stats = events[-1].stats
+    assert (async_stats.num_target_forwards, async_stats.num_draft_tokens, async_stats.num_accepted_tokens) == (
+        sync.stats.num_target_forwards, sync.stats.num_draft_tokens, sync.stats.num_accepted_tokens)
+    if drafter_kind == "model" or (drafter_kind != "none" and params.is_greedy):  # sampled text rarely repeats
+        assert sync.stats.num_draft_tokens > 0
