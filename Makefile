@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specmesh-installed
 CONFIG ?= configs/local.yaml
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install proto proto-check model test test-fast bench demo run-cluster clean
+.PHONY: install proto proto-check model lint test test-fast bench demo run-cluster clean
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ proto-check: install
 # fetch + convert the embedded default model once (cached under $$SPECMESH_HOME, ~/.cache/specmesh)
 model: install
 	$(PY) -m specmesh.models.resolve default
+
+# ruff over the repository, mypy over the library (its protocols are typed)
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 test: install proto-check model
 	$(PY) -m pytest tests specmesh --doctest-modules -q

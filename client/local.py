@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from specmesh.decoding.adaptive import AdaptiveK, FixedK
 from specmesh.decoding.sampling import SamplingParams

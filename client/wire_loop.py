@@ -12,8 +12,8 @@ the exact values the drafter sampled from (`q_dtype` float32 / float16 / bfloat1
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import grpc
 import torch

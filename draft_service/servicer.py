@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from servicekit.convert import model_info_pb, q_dtype_from_pb, sampling_from_pb,
 from servicekit.errors import Unimplemented, rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.session_service import SessionService
-from specmesh.decoding.proposal import DraftProposal, Drafter
+from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import draft_seed
 from specmesh.decoding.verifier import validate_prompt

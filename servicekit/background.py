@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Awaitable
+from collections.abc import Awaitable
 
 from servicekit.server import ServiceHandle
 

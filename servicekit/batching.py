@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from servicekit.engine_thread import EngineThread
 

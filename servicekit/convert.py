@@ -37,7 +37,8 @@ FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
 
 # sampling params
-def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int, default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> SamplingParams:
+def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int,
+                     default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> SamplingParams:
     """The request's SamplingParams with a resolved seed (the server picks one when has_seed is false)."""
     if not math.isfinite(pb.temperature):
         raise ValueError(f"temperature must be finite, got {pb.temperature}")

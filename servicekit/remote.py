@@ -11,14 +11,13 @@ sampled from), dense or as its exact support. `WireCounters` counts messages' by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import grpc
 import torch
 
-from servicekit.convert import (FINISH_FROM_PB, PB_BY_TORCH, distributions_from_pb, distributions_to_pb,
-                                sampling_to_pb, token_ids_from_pb)
+from servicekit.convert import FINISH_FROM_PB, PB_BY_TORCH, distributions_from_pb, distributions_to_pb, sampling_to_pb, token_ids_from_pb
 from specmesh.decoding.async_driver import TargetInfo
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams

@@ -15,8 +15,9 @@ in the background so the failing call returns at once; sessions idle past the TT
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from servicekit.engine_thread import EngineThread
 from servicekit.metrics import ServiceMetrics

@@ -11,15 +11,15 @@ only the calls it belongs to (the engine rolls a failed forward back completely)
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from servicekit.batching import WindowBatcher
 from servicekit.engine_thread import EngineThread
 from servicekit.metrics import ServiceMetrics
+from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.types import VerifyOutcome
 from specmesh.decoding.verifier import TargetSession, TargetVerifier
-from specmesh.decoding.proposal import DraftProposal
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from servicekit.convert import FINISH_TO_PB, model_info_pb, sampling_from_pb, token_ids_from_pb
 from servicekit.errors import FailedPrecondition, Unimplemented, rpc_method

@@ -20,13 +20,14 @@ Worked example (greedy, confirmed c0..c4, KV holds c0..c3):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, processed_probs
+from specmesh.decoding.types import VerifyOutcome
 from specmesh.decoding.verifier import TargetSession, TargetVerifier, validate_prompt
 from specmesh.models.engine import ContextLengthError, Engine
 
@@ -81,7 +82,7 @@ class StageModel:
         outcomes = [first] + [self.verifier.verify(s.sequence, DraftProposal(token_ids=[]), keep_logits=True)
                               for _ in range(num_extend - 1)]
         tokens = [t for outcome in outcomes for t in outcome.token_ids]
-        logits = torch.cat([outcome.logits for outcome in outcomes])  # [len(tokens), vocab]
+        logits = torch.cat([_kept_logits(outcome) for outcome in outcomes])  # [len(tokens), vocab]
         p = processed_probs(logits, s.sequence.params)
         features = [self._features(row_logits, row_p, token, s.sequence.params)
                     for row_logits, row_p, token in zip(logits, p, tokens)]
@@ -94,3 +95,8 @@ class StageModel:
         entropy = float(-(positive * positive.log()).sum())
         prob = float(dist[token])
         return TokenFeatures(entropy, float(dist.max()), math.log(prob) if prob > 0 else float("-inf"))
+
+
+def _kept_logits(outcome: VerifyOutcome) -> torch.Tensor:
+    assert outcome.logits is not None  # verified with keep_logits=True
+    return outcome.logits

@@ -28,7 +28,7 @@ The draft tokens ([2, 0, 3] of them) are scattered into a [3, k_max = 3] tensor 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -103,7 +103,7 @@ def _accept_greedy(logits: Sequence[torch.Tensor], proposals: Sequence[DraftProp
     for b, proposal in enumerate(proposals):
         session_ids = target_ids[offsets[b]:offsets[b + 1]]  # [1 + k_b]
         if proposal.is_tree:
-            outcomes.append(verify_tree_greedy(proposal.token_ids, proposal.parents, session_ids))
+            outcomes.append(verify_tree_greedy(proposal.token_ids, proposal.tree_parents(), session_ids))
         else:
             outcomes.append(verify_greedy(proposal.token_ids, session_ids))
     return outcomes
@@ -134,7 +134,7 @@ def _accept_sampled(
         proposal = proposals[b]
         q = proposal.probs_q()
         outcomes[b] = verify_tree_sampled_with_uniforms(
-            proposal.token_ids, proposal.parents, None if q is None else q.to(device),
+            proposal.token_ids, proposal.tree_parents(), None if q is None else q.to(device),
             p[offsets[i]:offsets[i + 1]], uniforms[b],
         )
     return [outcomes[b] for b in range(len(proposals))]
@@ -167,7 +167,8 @@ def _accept_sampled_chains(
         flat_q = torch.cat([_dense_q(pr, vocab_size) for pr in proposals]).to(device)  # [sum k_b, vocab]
         q = flat_q.new_zeros(batch_size, max_drafts, vocab_size)  # [B, k_max, vocab]
         q[draft_session, draft_column] = flat_q
-    outcome = verify_sampled_batch(draft, q, p, u, num_draft_tokens=torch.tensor(num_drafts, device=device))
+    num_offered = torch.tensor(num_drafts, device=device)  # [B]
+    outcome = verify_sampled_batch(draft, q, p, u, num_draft_tokens=num_offered)
     num_accepted, final_ids = torch.stack([outcome.num_accepted, outcome.final_token_ids]).tolist()  # one sync
     return [
         VerifyOutcome(

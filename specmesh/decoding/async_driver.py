@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from specmesh.decoding.adaptive import KPolicy
 from specmesh.decoding.proposal import DraftProposal
@@ -99,7 +100,7 @@ async def speculative_stream_async(
             yield event
     finally:
         await verifier.close(session)
-        if draft_state is not None:
+        if drafter is not None and draft_state is not None:
             await drafter.close(draft_state)
 
 

@@ -19,8 +19,8 @@ Worked example (num_beams 2, vocab {a, b, EOS}):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -48,7 +48,7 @@ Text held back because it might start a stop string is released by `finish`:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["NUM_PROMPT_CONTEXT_TOKENS", "REPLACEMENT_CHAR", "TextStream"]
 

@@ -22,8 +22,9 @@ forgets whatever it speculated beyond them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 

@@ -48,7 +48,7 @@ Worked example (q = None, i.e. an n-gram draft; vocab of 3):
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -17,11 +17,11 @@ is reproducible in-process and over the wire.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 from specmesh.decoding.adaptive import KPolicy
-from specmesh.decoding.proposal import DraftProposal, Drafter
+from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import FinishReason, SpeculationState, StepEvent, draft_seed
 from specmesh.decoding.stats import SpecStats
@@ -83,7 +83,7 @@ def speculative_stream(
             yield state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms)
     finally:
         verifier.close(session)
-        if draft_state is not None:
+        if drafter is not None and draft_state is not None:
             drafter.close(draft_state)
 
 
@@ -96,5 +96,6 @@ def generate(
 ) -> GenerationResult:
     """`speculative_stream`, collected."""
     events = list(speculative_stream(verifier, drafter, prompt_ids, params, **kwargs))
-    tokens = [t for event in events for t in event.token_ids]
-    return GenerationResult(tokens, events[-1].finish_reason, events[-1].stats, events)
+    last = events[-1]
+    assert last.finish_reason is not None and last.stats is not None  # the state's last event says both
+    return GenerationResult([t for event in events for t in event.token_ids], last.finish_reason, last.stats, events)

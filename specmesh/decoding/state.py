@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from specmesh.decoding.adaptive import AdaptiveK, FixedK, KPolicy
 from specmesh.decoding.detokenize import TextStream
@@ -124,8 +124,7 @@ class SpeculationState:
     def next_k(self, requested: int | None = None) -> int:
         """Draft length for the next round: `requested` (a caller's fixed k) or the policy's, capped
         by `max_draft_tokens`; 0 without a drafter."""
-        if self.finished:
-            raise RuntimeError(f"the generation has finished ({self.finish_reason.value})")
+        self._check_not_finished()
         if not self.has_drafter:
             return 0
         k = self.k_policy.next_k() if requested is None else requested
@@ -149,13 +148,16 @@ class SpeculationState:
         """Fold in one verified round: `num_drafted` draft tokens (a tree counts its accepted path's
         depth bound, the chain its length), `num_accepted` kept, and `token_ids` the accepted tokens
         plus the final one, as the target's sequence grew."""
-        if self.finished:
-            raise RuntimeError(f"the generation has finished ({self.finish_reason.value})")
+        self._check_not_finished()
         if len(token_ids) != num_accepted + 1:
             raise ValueError(f"a round emits num_accepted + 1 = {num_accepted + 1} tokens, got {len(token_ids)}")
         self.stats.record_round(num_drafted, num_accepted, draft_ms, verify_ms)
         self.k_policy.update(num_drafted, num_accepted, draft_ms, verify_ms)
         return self._emit(list(map(int, token_ids)), num_drafted, num_accepted)
+
+    def _check_not_finished(self) -> None:
+        if self.finish_reason is not None:
+            raise RuntimeError(f"the generation has finished ({self.finish_reason.value})")
 
     def _emit(self, new_tokens: list[int], num_drafted: int, num_accepted: int) -> StepEvent:
         self._emitted.extend(new_tokens)

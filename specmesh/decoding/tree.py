@@ -32,7 +32,7 @@ afterwards keep `kept_forward_indices(outcome.accepted_nodes)` with `Engine.keep
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

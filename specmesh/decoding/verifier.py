@@ -20,8 +20,8 @@ one vectorised call (`specmesh.decoding.acceptance`); `verify` is the batch of o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -180,7 +180,7 @@ class TargetVerifier:
         if not proposal.is_tree:
             tokens = [*uncached, *proposal.token_ids]
             return SeqInput(session.seq_id, tokens, list(range(first, len(tokens))))
-        tree_tokens, tree_parents = tree_forward_input(uncached[-1], proposal.token_ids, proposal.parents)
+        tree_tokens, tree_parents = tree_forward_input(uncached[-1], proposal.token_ids, proposal.tree_parents())
         chain = [NO_PARENT, *range(first - 1)] if first else []  # uncached tokens before the pending one
         parents = [*chain, first - 1 if first else NO_PARENT, *(p + first for p in tree_parents[1:])]
         tokens = [*uncached[:-1], *tree_tokens]

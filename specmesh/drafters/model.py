@@ -20,8 +20,8 @@ Worked example (k = 3, context of 10 tokens, pending = [c9]):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
+from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.types import NO_PARENT
-from specmesh.decoding.proposal import DraftProposal
 
 
 def _check_orders(min_n: int, max_n: int) -> None:

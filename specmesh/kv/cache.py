@@ -7,7 +7,7 @@ layer `l` holds one token's key. A forward writes its new tokens' K/V at the slo
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -18,8 +18,9 @@ which compacts the KV so the sequence reads prefix + c + d at positions 5, 6.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 

@@ -8,13 +8,13 @@ use the native engine for tree verification. KV capacity is counted in tokens ov
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from specmesh.kv.errors import OutOfBlocksError
 from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, ContextLengthError, EngineStats, SeqInput
-
 
 
 class HFEngine:
@@ -29,7 +29,7 @@ class HFEngine:
         self.dtype = model.dtype
         self.stats = EngineStats()
         self.max_kv_tokens = max_kv_tokens
-        self._caches: dict[int, object] = {}  # seq_id -> DynamicCache (None while empty)
+        self._caches: dict[int, Any] = {}  # seq_id -> DynamicCache (None while empty)
         self._lengths: dict[int, int] = {}
         self._next_seq_id = 0
 

@@ -16,6 +16,7 @@ few rows by the same weights and should cost little more. MKL's sgemm (plain `F.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +38,9 @@ class Linear:
             raise ValueError(f"unknown linear kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
         self.out_features, self.in_features = weight.shape
         self.kernel = kernel
-        self.weight = weight.contiguous()
+        self.weight: torch.Tensor | None = weight.contiguous()
         self.bias = None if bias is None else bias.contiguous()
-        self._packed = None
+        self._packed: Any = None  # oneDNN blocked weight or fbgemm packed int8 params
         if kernel == "int8":
             self._packed = _pack_int8(self.weight, self.bias)
             self.weight = None  # only the int8 copy is kept
@@ -53,14 +54,18 @@ class Linear:
             return self.out_features * self.in_features
         if self.kernel == "onednn":
             return self.out_features * self.in_features * self._packed.element_size()
-        return self.weight.numel() * self.weight.element_size()
+        return self._plain_weight().numel() * self._plain_weight().element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         if self.kernel == "int8":
             return self._int8(x)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self._plain_weight(), self.bias)
+
+    def _plain_weight(self) -> torch.Tensor:
+        assert self.weight is not None  # only the packed kernels drop it
+        return self.weight
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic(x.float(), self._packed).to(x.dtype)

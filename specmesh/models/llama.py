@@ -151,6 +151,7 @@ class LlamaFamilyModel:
             keys = cache.k[layer_index, first : first + num_keys].unsqueeze(0)
             values = cache.v[layer_index, first : first + num_keys].unsqueeze(0)
         else:
+            assert batch.key_slots is not None  # AttentionBatch sets key_range or key_slots
             keys, values = cache.gather(layer_index, batch.key_slots)  # [B, K, kv_heads, head_dim]
         num_batch, max_new = batch.batch_size, batch.max_new
         if batch.query_index is None:

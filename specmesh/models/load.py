@@ -87,5 +87,5 @@ def load_engine(
 
     from specmesh.models.hf_engine import HFEngine
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device)  # type: ignore[arg-type]
     return HFEngine(model, max_context=config_max_context(hf_config.get_text_config()), eos_token_ids=eos, max_kv_tokens=max_kv_tokens)

@@ -13,7 +13,7 @@ Mask worked example (one sequence, cached 2, tree tokens [a, b, c] with parents 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -192,7 +192,7 @@ class NativeEngine:
                 key_slots_t[s, : slots.shape[0]] = slots
 
         simple_decode = num_batch == 1 and max_new == 1
-        masks = {}
+        masks: dict[int | None, torch.Tensor | None] = {}
         if simple_decode and self._windows == [None]:
             masks[None] = None
         else:

@@ -14,6 +14,7 @@ special tokens and chat template that SmolLM2 uses, so chat-template code paths 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, num_layers: int 
     """A small config of `family` (one of FAMILIES). GQA everywhere it exists (4 heads, 2 kv heads)."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,

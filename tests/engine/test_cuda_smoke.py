@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_helpers import random_ids, run_alone
+
 from specmesh.decoding.beam import beam_search
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from engine_helpers import random_ids, run_alone
+
 from specmesh.kv.errors import OutOfBlocksError
 from specmesh.models.engine import NO_PARENT, ContextLengthError, SeqInput
 from specmesh.models.load import load_engine

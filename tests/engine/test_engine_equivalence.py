@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from engine_helpers import hf_logits, random_ids, run_alone
 from transformers import AutoModelForCausalLM
 
-from specmesh.models.tiny import NATIVE_FAMILIES
-from engine_helpers import hf_logits, random_ids, run_alone
 from specmesh.models.load import load_engine
+from specmesh.models.tiny import NATIVE_FAMILIES
 
 
 @pytest.mark.parametrize("family", NATIVE_FAMILIES)

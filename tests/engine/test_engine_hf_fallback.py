@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from engine_helpers import hf_logits, random_ids, run_alone
 from transformers import AutoModelForCausalLM
 
-from engine_helpers import hf_logits, random_ids, run_alone
 from specmesh.kv.errors import OutOfBlocksError
 from specmesh.models.engine import NO_PARENT, SeqInput
 from specmesh.models.hf_engine import HFEngine

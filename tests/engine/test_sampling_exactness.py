@@ -9,7 +9,6 @@ the support at 27 cells. Trials run 1,000 sessions at a time through the batched
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from scipy.stats import chisquare

@@ -12,7 +12,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from client.wire_loop import channel, wire_generate, wire_generation
+from client.wire_loop import channel, wire_generation
 from draft_service.options import DraftOptions
 from draft_service.server import create_server as create_draft
 from servicekit.background import BackgroundServices
@@ -23,9 +23,9 @@ from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import PromptLookupDrafter
+from specmesh.drafters.wire_q import RoundQ
 from specmesh.models.load import load_engine
 from specmesh.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
-from specmesh.drafters.wire_q import RoundQ
 from target_service.options import VerifyOptions
 from target_service.server import create_server as create_verify
 

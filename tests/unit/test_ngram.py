@@ -1,21 +1,16 @@
-import doctest
 import random
 
 import pytest
 import torch
 
-import specmesh.drafters.ngram as ngram_module
+from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.rejection import verify_greedy
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.tree import tree_children, validate_parents, verify_tree_greedy
-from specmesh.decoding.proposal import DraftProposal
 from specmesh.drafters.ngram import NgramStore, NgramStoreDrafter, PromptLookupDrafter, PromptLookupIndex
 
 GREEDY = SamplingParams(temperature=0)
 
-
-def test_docstring_examples():
-    assert doctest.testmod(ngram_module).failed == 0
 
 
 def reference_prompt_lookup(tokens: list[int], min_n: int, max_n: int, max_tokens: int) -> list[int]:

@@ -16,7 +16,6 @@ from specmesh.decoding.sampling import (
 )
 from specmesh.decoding.types import SparseProbs
 
-
 # ---- SamplingParams.validate -------------------------------------------------------------------
 
 
