@@ -79,6 +79,12 @@ class RemoteVerifier:
                                                     timeout=self.timeout_s))
 
 
+@dataclass(frozen=True)
+class RemoteDraftSession:
+    session_id: str
+    needs_q: bool  # sampling: the verifier needs the draft distributions
+
+
 class RemoteDrafter:
     def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, *, q_dtype: torch.dtype = torch.float32,
                  sparse_q: bool = False, timeout_s: float = 60.0, counters: WireCounters | None = None):
@@ -89,22 +95,20 @@ class RemoteDrafter:
         self.sparse_q = sparse_q
         self.timeout_s = timeout_s
         self.counters = counters or WireCounters()
-        self._params: dict[str, SamplingParams] = {}
         self._vocab_size: int | None = None
 
-    async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> str:
+    async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> RemoteDraftSession:
         if self._vocab_size is None:
             info = await self.stub.GetInfo(draft_pb2.DraftGetInfoRequest(), timeout=self.timeout_s)
             self._vocab_size = info.model.vocab_size
         response = await self.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
             prompt_token_ids=list(prompt_ids), sampling=sampling_to_pb(params)), timeout=self.timeout_s)
-        self._params[response.session_id] = params
-        return response.session_id
+        return RemoteDraftSession(response.session_id, needs_q=not params.is_greedy)
 
-    async def propose(self, session_id: str, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
+    async def propose(self, session: RemoteDraftSession, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         request = draft_pb2.ProposeRequest(
-            session_id=session_id, accepted_token_ids=list(accepted_since_last), num_draft_tokens=max_tokens,
-            return_distributions=not self._params[session_id].is_greedy, sparse_distributions=self.sparse_q,
+            session_id=session.session_id, accepted_token_ids=list(accepted_since_last), num_draft_tokens=max_tokens,
+            return_distributions=session.needs_q, sparse_distributions=self.sparse_q,
             distributions_dtype=PB_BY_TORCH[self.q_dtype])
         response = await self.stub.Propose(request, timeout=self.timeout_s)
         self.counters.add(request, response)
@@ -114,9 +118,8 @@ class RemoteDrafter:
             q = distributions_from_pb(response.distributions, len(token_ids), self._vocab_size)
         return DraftProposal(token_ids=token_ids, q=q, parents=list(response.tree_parents) or None)
 
-    async def close(self, session_id: str) -> None:
-        self._params.pop(session_id, None)
-        await _close_quietly(self.stub.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=session_id),
+    async def close(self, session: RemoteDraftSession) -> None:
+        await _close_quietly(self.stub.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=session.session_id),
                                                     timeout=self.timeout_s))
 
 

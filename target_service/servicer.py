@@ -58,9 +58,13 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         state.start(target.pending_token_id)
         return VerifySession(target, state, seed)
 
-    def _check_round(self, session: VerifySession, k: int) -> None:
-        if session.round.finished:
+    @staticmethod
+    def _check_open(session: VerifySession) -> None:
+        if session.round.finish_reason is not None:
             raise FailedPrecondition(f"the session has finished ({session.round.finish_reason.value}); close it")
+
+    def _check_round(self, session: VerifySession, k: int) -> None:
+        self._check_open(session)
         if k > self.options.max_draft_tokens:
             raise ValueError(f"{k} draft tokens exceed this service's limit of {self.options.max_draft_tokens}")
         if k > self.verifier.max_draft_tokens(session.target):
@@ -121,8 +125,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         if request.num_draft_tokens > self.options.max_draft_tokens:
             raise ValueError(f"{request.num_draft_tokens} draft tokens exceed this service's limit of {self.options.max_draft_tokens}")
         async with self.session_call(request.session_id) as session:
-            if session.round.finished:
-                raise FailedPrecondition(f"the session has finished ({session.round.finish_reason.value}); close it")
+            self._check_open(session)
             if session.fused is None:
                 prompt = session.target.token_ids[: session.round.num_prompt_tokens]
                 state = await self.engine_thread.run(self.fused_drafter.open, prompt)

@@ -63,7 +63,7 @@ class StageModel:
     def open(self, prompt: Sequence[int], params: SamplingParams, generator: torch.Generator) -> StageSession:
         """No forward yet: the prompt is fed with the first draft."""
         prompt = validate_prompt(prompt, self.engine.max_context, self.engine.vocab_size)
-        sequence = TargetSession(self.engine.new_sequence(), params, generator, list(prompt), len(prompt))
+        sequence = TargetSession(self.engine.new_sequence(), params, generator, list(prompt))
         return StageSession(sequence, list(prompt))
 
     def close(self, session: StageSession) -> None:

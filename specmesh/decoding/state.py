@@ -89,7 +89,7 @@ class SpeculationState:
         self.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.k_policy: KPolicy = k_policy or (AdaptiveK() if has_drafter else FixedK(0))
         self.has_drafter = has_drafter
-        self.text = TextStream(decode, params.stop, prompt_ids[-8:]) if decode is not None else None
+        self.text = TextStream(decode, params.stop, prompt_ids) if decode is not None else None
         self.stats = SpecStats(seed=seed)
         self.generated: list[int] = []  # kept output tokens (the EOS / stop-completing token included)
         self.finish_reason: FinishReason | None = None

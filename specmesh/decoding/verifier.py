@@ -39,7 +39,6 @@ class TargetSession:
     params: SamplingParams
     generator: torch.Generator
     token_ids: list[int]  # prompt + emitted tokens; after the first forward the last one is pending
-    num_prompt_tokens: int
     num_cached: int = 0  # leading token_ids held in the engine's KV
     num_forwards: int = 0  # target forwards this session took part in
 
@@ -90,7 +89,7 @@ class TargetVerifier:
         sessions: list[TargetSession] = []
         try:
             for prompt, p, g in zip(checked, params, generators):
-                sessions.append(TargetSession(self.engine.new_sequence(), p, g, prompt, len(prompt)))
+                sessions.append(TargetSession(self.engine.new_sequence(), p, g, prompt))
             self.verify_many(sessions, [DraftProposal(token_ids=[])] * len(sessions))
         except BaseException:
             for session in sessions:
@@ -136,7 +135,7 @@ class TargetVerifier:
             for child_params, generator in zip(params, generators):
                 children.append(TargetSession(
                     self.engine.fork(parent.seq_id), child_params, generator, [*parent.token_ids, *append],
-                    parent.num_prompt_tokens, parent.num_cached,
+                    parent.num_cached,
                 ))
             if append:
                 self.verify_many(children, [DraftProposal(token_ids=[])] * len(children))
