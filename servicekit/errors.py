@@ -5,7 +5,10 @@
 | SessionNotFound (unknown or expired session)    | NOT_FOUND            |
 | FailedPrecondition (e.g. a finished session)    | FAILED_PRECONDITION  |
 | ValueError, incl. ContextLengthError            | INVALID_ARGUMENT     |
-| OutOfBlocksError (KV pool full)                 | RESOURCE_EXHAUSTED   |
+| OutOfBlocksError (KV pool full), QuotaExceeded  | RESOURCE_EXHAUSTED   |
+| Unauthenticated (no or a wrong token)           | UNAUTHENTICATED      |
+| PermissionDenied (acting for another principal) | PERMISSION_DENIED    |
+| Unavailable (draining: no new sessions)         | UNAVAILABLE          |
 | Unimplemented                                   | UNIMPLEMENTED        |
 | anything else (a bug)                           | INTERNAL             |
 Client mistakes are validated before any engine work and raise ValueError, so they never reach
@@ -39,11 +42,38 @@ class FailedPrecondition(ValueError):
     A ValueError: a client mistake, detected before anything changes."""
 
 
+class QuotaExceeded(Exception):
+    """A principal's quota (sessions, KV tokens, ...) would be exceeded; the message names the limit."""
+
+
+class Unauthenticated(Exception):
+    """No credentials, or ones the service does not know."""
+
+
+class PermissionDenied(Exception):
+    """An authenticated caller asked for something it may not do (e.g. act for another principal)."""
+
+
+class Unavailable(Exception):
+    """The service takes no new work right now (it is draining before a shutdown)."""
+
+
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (OutOfBlocksError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+)
+CLIENT_ERRORS = (SessionNotFound, ValueError, OutOfBlocksError, Unimplemented, QuotaExceeded, Unauthenticated,
+                 PermissionDenied, Unavailable)
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, SessionNotFound):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, OutOfBlocksError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code
     if isinstance(exc, Unimplemented):
         return grpc.StatusCode.UNIMPLEMENTED
     if isinstance(exc, FailedPrecondition):
@@ -86,7 +116,7 @@ def rpc_method(fn):
             try:
                 async for item in fn(self, request, context):
                     yield item
-            except (SessionNotFound, ValueError, OutOfBlocksError, Unimplemented) as exc:
+            except CLIENT_ERRORS as exc:
                 await abort(self, context, exc, start)
             except Exception as exc:  # noqa: BLE001 - the catch-all is the INTERNAL mapping
                 if isinstance(exc, grpc.aio.AbortError):

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from servicekit.engine_thread import EngineThread
+from servicekit.errors import Unavailable
 from servicekit.metrics import ServiceMetrics
 from servicekit.sessions import SessionTable
 
@@ -30,6 +31,19 @@ class SessionService:
         self.engine_thread = EngineThread(f"{name}-engine")
         self.sessions = SessionTable(session_ttl_s, self._close_session)
         self._background: set[asyncio.Task] = set()
+        self.draining = False  # set by `start_draining`: open sessions go on, new ones are refused
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self.sessions)
+
+    def start_draining(self) -> None:
+        """Refuse new sessions (UNAVAILABLE) from now on; calls on open sessions go on."""
+        self.draining = True
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise Unavailable("the service is draining before a shutdown: no new sessions")
 
     def free_session(self, session: Any) -> None:
         """Engine thread: release what `session` holds. Each servicer says what that is."""
@@ -38,8 +52,9 @@ class SessionService:
     async def add_session(self, session: Any, session_id: str = "") -> str:
         """Register a session whose engine state exists; frees it if the id cannot be used."""
         try:
+            self.check_accepting()
             session_id = self.sessions.add(session, session_id)
-        except ValueError:
+        except (ValueError, Unavailable):
             await self.engine_thread.run(self.free_session, session)
             raise
         self.metrics.sessions.set(len(self.sessions))
