@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servicekit.options import ModelOptions, ServerOptions
+from servicekit.quotas import QuotaOptions
 
 DRAFTERS = ("model", "ngram", "ngram-store")
 
 
 @dataclass
-class DraftOptions(ServerOptions, ModelOptions):
+class DraftOptions(ServerOptions, ModelOptions, QuotaOptions):
     port: int = 50051
     drafter: str = "model"  # model | ngram (prompt lookup) | ngram-store (may draft token trees)
     ngram_min_n: int = 1

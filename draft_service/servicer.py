@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,9 +19,10 @@ import torch
 from draft_service.convert import propose_response
 from draft_service.options import DraftOptions
 from servicekit.batching import WindowBatcher
-from servicekit.convert import model_info_pb, q_dtype_from_pb, sampling_from_pb, token_ids_from_pb
+from servicekit.convert import kv_usage_pb, model_info_pb, q_dtype_from_pb, sampling_from_pb, token_ids_from_pb
 from servicekit.errors import Unimplemented, rpc_method
 from servicekit.metrics import ServiceMetrics
+from servicekit.rounds import RoundLog
 from servicekit.session_service import SessionService
 from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
@@ -39,6 +40,8 @@ class DraftSession:
     params: SamplingParams
     generator: torch.Generator
     seed: int
+    num_tokens: int  # the prompt and every accepted token appended since (quota accounting)
+    rounds: RoundLog = field(default_factory=RoundLog)  # Propose calls answered (safe resends)
 
 
 @dataclass
@@ -59,12 +62,14 @@ class ProposeResult:
 class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, options: DraftOptions, make_drafter: DrafterFactory, engine, vocab_size: int, max_context: int,
                  model_folder: str, metrics: ServiceMetrics):
-        super().__init__("draft", options.session_ttl_s, metrics)
+        super().__init__("draft", options.session_ttl_s, metrics, options)
         self.options = options
         self.make_drafter = make_drafter
         self.drafter = make_drafter(None)  # opens and closes sessions; q unrounded
         self._drafters: dict[torch.dtype, Drafter] = {torch.float32: self.drafter}
         self.engine = engine  # None for the n-gram drafters
+        if engine is not None:
+            metrics.watch_kv(engine.kv_usage)
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.model_folder = model_folder
@@ -81,6 +86,9 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
 
     def free_session(self, session: DraftSession) -> None:
         self.drafter.close(session.state)
+
+    def session_tokens(self, session: DraftSession) -> int:
+        return session.num_tokens
 
     async def stop_batchers(self) -> None:
         await self.batcher.close()
@@ -111,9 +119,12 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
     async def OpenSession(self, request: draft_pb2.DraftOpenSessionRequest, context) -> draft_pb2.DraftOpenSessionResponse:
         prompt = validate_prompt(request.prompt_token_ids, self.max_context, self.vocab_size)
         params = sampling_from_pb(request.sampling, self.vocab_size)
+        self.quotas.check_prompt(len(prompt))
+        self.quotas.check_max_new_tokens(params.max_new_tokens)
         generator, _ = make_generator(draft_seed(params.seed), self.drafter.device)
-        state = await self.engine_thread.run(self.drafter.open, prompt)
-        session_id = await self.add_session(DraftSession(state, params, generator, params.seed), request.session_id)
+        async with self.admission(len(prompt)):
+            state = await self.engine_thread.run(self.drafter.open, prompt)
+            session_id = await self.add_session(DraftSession(state, params, generator, params.seed, len(prompt)))
         return draft_pb2.DraftOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=params.seed)
 
     @rpc_method
@@ -124,11 +135,20 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             raise ValueError(f"num_draft_tokens {k} exceeds this service's limit {self.options.max_draft_tokens}")
         if request.num_rewind_tokens:
             raise Unimplemented("num_rewind_tokens is not supported; send the accepted tokens instead")
+        self.quotas.check_propose(len(accepted))
         q_dtype = q_dtype_from_pb(request.distributions_dtype)
         async with self.session_call(request.session_id) as session:
+            replay = session.rounds.replay(request)
+            if replay is not None:
+                return replay
+            self.drafter.check_call(session.state, accepted, k)  # a bad call fails alone, before the batch
+            self.check_kv_quota(len(accepted) + k)
             result: ProposeResult = await self.batcher.submit(ProposeCall(session, accepted, k, q_dtype))
+            session.num_tokens += len(accepted)
+            response = propose_response(result.proposal, request, self.vocab_size, result.draft_ms)
+            session.rounds.remember(request, response)
         self.metrics.draft_tokens.inc(result.proposal.num_tokens)
-        return propose_response(result.proposal, request, self.vocab_size, result.draft_ms)
+        return response
 
     @rpc_method
     async def CloseSession(self, request: draft_pb2.DraftCloseSessionRequest, context) -> draft_pb2.DraftCloseSessionResponse:
@@ -136,8 +156,8 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
 
     @rpc_method
     async def GetInfo(self, request, context) -> draft_pb2.DraftGetInfoResponse:
-        if self.engine is not None:
-            info = model_info_pb(self.options.model, self.model_folder, self.engine)
-        else:
+        if self.engine is None:
             info = common_pb2.ModelInfo(model=self.options.model, vocab_size=self.vocab_size, max_context_tokens=self.max_context)
-        return draft_pb2.DraftGetInfoResponse(model=info, drafter=self.options.drafter)
+            return draft_pb2.DraftGetInfoResponse(model=info, drafter=self.options.drafter)
+        return draft_pb2.DraftGetInfoResponse(model=model_info_pb(self.options.model, self.model_folder, self.engine),
+                                              drafter=self.options.drafter, kv=kv_usage_pb(self.engine.kv_usage()))

@@ -26,6 +26,9 @@ TORCH_BY_PB = {
 }
 PB_BY_TORCH = {v: k for k, v in TORCH_BY_PB.items()}
 Q_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# how far a q row's sum may stray from 1: rounding each of a row's values to float16 / bfloat16 moves
+# the sum by up to ~2**-11 / 2**-8 relative; float32 rows are softmax outputs and sum to 1 closely
+Q_SUM_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 FINISH_TO_PB = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
     FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
@@ -39,14 +42,15 @@ FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 # sampling params
 def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int,
                      default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> SamplingParams:
-    """The request's SamplingParams with a resolved seed (the server picks one when has_seed is false)."""
-    if not math.isfinite(pb.temperature):
-        raise ValueError(f"temperature must be finite, got {pb.temperature}")
-    seed = pb.seed if pb.has_seed else make_generator(None)[1]
+    """The request's SamplingParams with a resolved seed (the server picks one when none is set):
+    the one validation of sampling params on the wire (NaN, inf and out-of-range values are
+    ValueError, see `SamplingParams.validate`)."""
+    seed = pb.seed if pb.HasField("seed") else make_generator(None)[1]
+    top_p = float(pb.top_p)
     params = SamplingParams(
         temperature=float(pb.temperature),
         top_k=int(pb.top_k),
-        top_p=1.0 if pb.top_p == 0 else float(pb.top_p),
+        top_p=1.0 if top_p == 0 else top_p,
         seed=int(seed),
         max_new_tokens=int(pb.max_new_tokens) or default_max_new_tokens,
         stop=list(pb.stop),
@@ -59,8 +63,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int,
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-        seed=params.seed or 0, has_seed=params.seed is not None, stop=list(params.stop),
-        max_new_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos,
+        seed=params.seed, stop=list(params.stop), max_new_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos,
     )
 
 
@@ -133,12 +136,22 @@ def distributions_from_pb(pb: common_pb2.DraftDistributions, k: int, vocab_size:
         if tuple(probs.shape) != (len(sp.token_ids),):
             raise ValueError("malformed SparseDistributions: probs must be [nnz]")
         ids = torch.tensor(list(sp.token_ids), dtype=torch.int64)
+        for a, b in zip(offsets, offsets[1:]):
+            if len(set(sp.token_ids[a:b])) != b - a:
+                raise ValueError("malformed SparseDistributions: a token id appears twice in one row")
         raw = torch.stack([to_dense(SparseProbs(ids[a:b], probs[a:b]), vocab_size) for a, b in zip(offsets, offsets[1:])]) \
             if k else torch.zeros((0, vocab_size), dtype=probs.dtype)
     if raw.dtype not in Q_DTYPES:
         raise ValueError(f"q must be float32, float16 or bfloat16, got {raw.dtype}")
-    if k and (not bool(torch.isfinite(raw).all()) or bool((raw < 0).any()) or bool((raw.float().sum(-1) <= 0).any())):
-        raise ValueError("q rows must be finite, >= 0 and of positive mass")
+    if k and (not bool(torch.isfinite(raw).all()) or bool((raw < 0).any())):
+        raise ValueError("q rows must be finite and >= 0")
+    if k:
+        sums = raw.double().sum(-1)
+        tolerance = Q_SUM_TOLERANCE[raw.dtype]
+        worst = int((sums - 1).abs().argmax())
+        if abs(float(sums[worst]) - 1) > tolerance:
+            raise ValueError(f"q rows must be distributions: row {worst} sums to {float(sums[worst]):.6g}, "
+                             f"not 1 within {tolerance:g} ({str(raw.dtype).removeprefix('torch.')})")
     return raw
 
 
@@ -152,6 +165,11 @@ def q_dtype_from_pb(value: int) -> torch.dtype:
 
 
 # model info
+def kv_usage_pb(usage) -> common_pb2.KvUsage:
+    """An `Engine.kv_usage()` as its message."""
+    return common_pb2.KvUsage(block_size=usage.block_size, total_blocks=usage.total_blocks, free_blocks=usage.free_blocks)
+
+
 def tokenizer_fingerprint(folder: str | Path) -> str:
     path = Path(folder) / "tokenizer.json"
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""

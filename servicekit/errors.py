@@ -83,7 +83,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _message(exc: BaseException, code: grpc.StatusCode) -> str:
+def message_for(exc: BaseException, code: grpc.StatusCode) -> str:
     text = str(exc) or type(exc).__name__
     if isinstance(exc, SessionNotFound):
         return f"unknown or expired session {text}"
@@ -106,7 +106,7 @@ def rpc_method(fn):
         if code is grpc.StatusCode.INTERNAL:
             log.exception("%s failed", name, exc_info=exc)
         record(self, code, start)
-        await context.abort(code, _message(exc, code))
+        await context.abort(code, message_for(exc, code))
 
     if inspect.isasyncgenfunction(fn):
 

@@ -3,10 +3,14 @@
 Names (prefix `specmesh_`): requests_total{method,code}, request_seconds{method}, batch_size
 (sessions per engine forward), batch_tokens, queue_depth, sessions, forwards_total, drafts_total,
 draft_tokens_total, accepted_tokens_total, accepted_per_position_total{position}, and the derived
-mean accepted length = 1 + accepted_tokens_total / drafts_total.
+mean accepted length = 1 + accepted_tokens_total / drafts_total; expired_sessions_total, and the KV
+pool: kv_blocks_total, kv_blocks_free, kv_block_size.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -33,6 +37,15 @@ class ServiceMetrics:
         self.accepted_per_position = Counter(p + "accepted_per_position", "accepted draft tokens by position",
                                              ["position"], **labels)
         self.expired_sessions = Counter(p + "expired_sessions", "sessions closed by the TTL reaper", **labels)
+        self.kv_blocks_total = Gauge(p + "kv_blocks_total", "KV pool size in blocks", **labels)
+        self.kv_blocks_free = Gauge(p + "kv_blocks_free", "unused KV blocks", **labels)
+        self.kv_block_size = Gauge(p + "kv_block_size", "tokens per KV block", **labels)
+
+    def watch_kv(self, kv_usage: Callable[[], Any]) -> None:
+        """Report an engine's KV pool (`Engine.kv_usage`) on every scrape."""
+        self.kv_blocks_total.set_function(lambda: kv_usage().total_blocks)
+        self.kv_blocks_free.set_function(lambda: kv_usage().free_blocks)
+        self.kv_block_size.set_function(lambda: kv_usage().block_size)
 
     def record_verification(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:

@@ -7,6 +7,8 @@
 They implement `specmesh.decoding.async_driver.AsyncVerifier` / `AsyncDrafter`: conversion and
 calls only, no speculation logic. q travels in the dtype the drafter stored it in (the values it
 sampled from), dense or as its exact support. `WireCounters` counts messages' bytes per round.
+Rounds carry their `round_index`, so a round whose answer was lost (deadline, connection drop) is
+resent safely (`RETRIES` times): the service answers a resend without advancing the session twice.
 """
 
 from __future__ import annotations
@@ -42,6 +44,20 @@ class WireCounters:
         self._pending_bytes = 0
 
 
+RETRIES = 2  # resends of a round whose answer did not arrive
+RETRY_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+
+
+async def call_round(method, request, timeout_s: float, retries: int = RETRIES):
+    """A unary round RPC, resent on a lost answer (the request carries its round_index)."""
+    for attempt in range(retries + 1):
+        try:
+            return await method(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if attempt == retries or exc.code() not in RETRY_CODES:
+                raise
+
+
 class RemoteVerifier:
     def __init__(self, stub: verify_pb2_grpc.VerifyServiceStub, *, timeout_s: float = 60.0, sparse_q: bool = False,
                  counters: WireCounters | None = None):
@@ -50,6 +66,7 @@ class RemoteVerifier:
         self.sparse_q = sparse_q
         self.counters = counters or WireCounters()
         self._info: TargetInfo | None = None
+        self._rounds: dict[str, int] = {}  # session -> rounds done
 
     async def info(self) -> TargetInfo:
         if self._info is None:
@@ -63,18 +80,21 @@ class RemoteVerifier:
         return response.session_id, response.first_token_id
 
     async def verify(self, session_id: str, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
-        request = verify_pb2.VerifyRequest(session_id=session_id, draft_token_ids=proposal.token_ids)
+        request = verify_pb2.VerifyRequest(session_id=session_id, draft_token_ids=proposal.token_ids,
+                                           deterministic_draft=proposal.q is None, round_index=self._rounds.get(session_id, 0))
         if proposal.parents is not None:
             request.tree_parents.extend(proposal.parents)
         if proposal.q is not None and proposal.num_tokens:
             vocab_size = (await self.info()).vocab_size
             request.distributions.CopyFrom(distributions_to_pb(proposal.q, proposal.q.dtype, self.sparse_q, vocab_size))
-        response = await self.stub.Verify(request, timeout=self.timeout_s)
+        response = await call_round(self.stub.Verify, request, self.timeout_s)
+        self._rounds[session_id] = response.round_index + 1
         self.counters.add(request, response)
         self.counters.end_round()
         return outcome_from_pb(response, proposal), FINISH_FROM_PB[response.finish_reason]
 
     async def close(self, session_id: str) -> None:
+        self._rounds.pop(session_id, None)
         await _close_quietly(self.stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id),
                                                     timeout=self.timeout_s))
 
@@ -83,6 +103,7 @@ class RemoteVerifier:
 class RemoteDraftSession:
     session_id: str
     needs_q: bool  # sampling: the verifier needs the draft distributions
+    rounds: list[int] = field(default_factory=lambda: [0])  # Propose calls answered (mutable cell)
 
 
 class RemoteDrafter:
@@ -109,8 +130,9 @@ class RemoteDrafter:
         request = draft_pb2.ProposeRequest(
             session_id=session.session_id, accepted_token_ids=list(accepted_since_last), num_draft_tokens=max_tokens,
             return_distributions=session.needs_q, sparse_distributions=self.sparse_q,
-            distributions_dtype=PB_BY_TORCH[self.q_dtype])
-        response = await self.stub.Propose(request, timeout=self.timeout_s)
+            distributions_dtype=PB_BY_TORCH[self.q_dtype], round_index=session.rounds[0])
+        response = await call_round(self.stub.Propose, request, self.timeout_s)
+        session.rounds[0] = response.round_index + 1
         self.counters.add(request, response)
         token_ids = token_ids_from_pb(response.draft_token_ids, self._vocab_size, "draft_token_ids")
         q = None

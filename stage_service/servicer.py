@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from servicekit.convert import distributions_from_pb, model_info_pb, sampling_from_pb, token_ids_from_pb
+from servicekit.convert import distributions_from_pb, kv_usage_pb, model_info_pb, sampling_from_pb, token_ids_from_pb
 from servicekit.errors import rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.session_service import SessionService
@@ -18,22 +18,29 @@ from stage_service.options import StageOptions
 
 class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
     def __init__(self, options: StageOptions, engine, model_folder: str, metrics: ServiceMetrics):
-        super().__init__("stage", options.session_ttl_s, metrics)
+        super().__init__("stage", options.session_ttl_s, metrics, options)
         self.options = options
         self.engine = engine
         self.model_folder = model_folder
         self.stage = StageModel(engine)
+        metrics.watch_kv(engine.kv_usage)
 
     def free_session(self, session: StageSession) -> None:
         self.stage.close(session)
+
+    def session_tokens(self, session: StageSession) -> int:
+        return session.sequence.num_tokens
 
     @rpc_method
     async def OpenSession(self, request, context) -> stage_pb2.StageOpenSessionResponse:
         prompt = validate_prompt(request.prompt_token_ids, self.engine.max_context, self.engine.vocab_size)
         params = sampling_from_pb(request.sampling, self.engine.vocab_size)
+        self.quotas.check_prompt(len(prompt))
+        self.quotas.check_max_new_tokens(params.max_new_tokens)
         generator, _ = make_generator(params.seed, self.engine.device)
-        session = await self.engine_thread.run(self.stage.open, prompt, params, generator)
-        session_id = await self.add_session(session, request.session_id)
+        async with self.admission(len(prompt) + 1):
+            session = await self.engine_thread.run(self.stage.open, prompt, params, generator)
+            session_id = await self.add_session(session)
         return stage_pb2.StageOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms)
 
     @rpc_method
@@ -47,6 +54,10 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
             raise ValueError(f"num_extend_tokens must be in [1, {self.options.max_extend_tokens}]")
         q = distributions_from_pb(request.distributions, len(draft), vocab) if request.HasField("distributions") else None
         async with self.session_call(request.session_id) as session:
+            if draft and q is None and not request.deterministic_draft and not session.sequence.params.is_greedy:
+                raise ValueError("a sampled session needs the draft's distributions q, or deterministic_draft = true "
+                                 "when the lower stage is deterministic (q one-hot)")
+            self.check_kv_quota(len(accepted) + len(draft) + request.num_extend_tokens)
             start = time.perf_counter()
             out = await self.engine_thread.run(self.stage.verify_and_extend, session, accepted, draft, q,
                                                request.num_extend_tokens)
@@ -59,4 +70,5 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
 
     @rpc_method
     async def GetInfo(self, request, context) -> stage_pb2.StageGetInfoResponse:
-        return stage_pb2.StageGetInfoResponse(model=model_info_pb(self.options.model, self.model_folder, self.engine))
+        return stage_pb2.StageGetInfoResponse(model=model_info_pb(self.options.model, self.model_folder, self.engine),
+                                              kv=kv_usage_pb(self.engine.kv_usage()))

@@ -8,13 +8,14 @@ delegates: to `TargetVerifier` (through the batcher), to the fused drafter, and 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 
-from servicekit.convert import FINISH_TO_PB, model_info_pb, sampling_from_pb, token_ids_from_pb
-from servicekit.errors import FailedPrecondition, Unimplemented, rpc_method
+from servicekit.convert import FINISH_TO_PB, kv_usage_pb, model_info_pb, sampling_from_pb, token_ids_from_pb
+from servicekit.errors import FailedPrecondition, Unimplemented, message_for, rpc_method, status_for
 from servicekit.metrics import ServiceMetrics
-from servicekit.session_service import SessionService
+from servicekit.session_service import STATE_PRESERVING_ERRORS, SessionService
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.speculative import speculative_stream
@@ -27,14 +28,17 @@ from target_service.convert import proposal_from_pb, stats_to_pb, verify_respons
 from target_service.options import VerifyOptions
 from target_service.sessions import FusedDraft, VerifySession
 
+log = logging.getLogger("specmesh.verify")
+
 
 class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     def __init__(self, options: VerifyOptions, engine, model_folder: str, metrics: ServiceMetrics, fused_drafter=None):
-        super().__init__("verify", options.session_ttl_s, metrics)
+        super().__init__("verify", options.session_ttl_s, metrics, options)
         self.options = options
         self.engine = engine
         self.model_folder = model_folder
         self.verifier = TargetVerifier(engine)
+        metrics.watch_kv(engine.kv_usage)
         self.fused_drafter = fused_drafter
         self.batcher = VerifyBatcher(self.engine_thread, self.verifier, options.batch_window_ms, options.max_batch_tokens, metrics)
 
@@ -51,6 +55,12 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     async def stop_batchers(self) -> None:
         await self.batcher.close()
 
+    def _sampling(self, pb) -> SamplingParams:
+        """A request's sampling params, validated, within this principal's max_new_tokens quota."""
+        params = sampling_from_pb(pb, self.vocab_size, self.options.default_max_new_tokens)
+        self.quotas.check_max_new_tokens(params.max_new_tokens)
+        return params
+
     def _new_session(self, target: TargetSession, num_prompt_tokens: int, seed: int) -> VerifySession:
         """A session whose rounds count from `num_prompt_tokens`; its first token is already emitted."""
         state = SpeculationState(target.params, num_prompt_tokens=num_prompt_tokens, max_context=self.engine.max_context,
@@ -58,40 +68,79 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         state.start(target.pending_token_id)
         return VerifySession(target, state, seed)
 
+    async def _prefill(self, prompt: list[int], params: SamplingParams, generator) -> TargetSession:
+        """A new session's target sequence, prefilled, with its first token sampled. With
+        `prefill_chunk_tokens`, each chunk is its own engine job: the engine thread runs jobs first in,
+        first out, so the batches of other sessions' rounds queued meanwhile run between the chunks and
+        a long prompt delays them by about one chunk each. A failed or cancelled prefill frees its sequence."""
+        chunk_tokens = self.options.prefill_chunk_tokens
+        begun: list[TargetSession] = []  # filled on the engine thread: freed even if this call is cancelled during begin
+
+        def begin() -> TargetSession:
+            begun.append(self.verifier.begin(prompt, params, generator))
+            return begun[0]
+
+        def free() -> None:
+            for target in begun:
+                self.verifier.close(target)
+
+        try:
+            target = await self.engine_thread.run(begin)
+            while 0 < chunk_tokens < target.num_uncached:
+                await self.engine_thread.run(self.verifier.prefill_chunk, target, chunk_tokens)
+            # the last forward feeds the rest of the prompt (at most one chunk) and samples the first token
+            await self.engine_thread.run(self.verifier.verify, target, DraftProposal(token_ids=[]))
+        except BaseException:
+            await asyncio.shield(self.engine_thread.run(free))  # queued after the job in flight, if any
+            raise
+        return target
+
+    def session_tokens(self, session: VerifySession) -> int:
+        return session.target.num_tokens
+
     @staticmethod
     def _check_open(session: VerifySession) -> None:
         if session.round.finish_reason is not None:
             raise FailedPrecondition(f"the session has finished ({session.round.finish_reason.value}); close it")
 
-    def _check_round(self, session: VerifySession, k: int) -> None:
+    def _prepare(self, session: VerifySession, proposal: DraftProposal, deterministic: bool) -> tuple[DraftProposal, list[int]]:
+        """Validate a round against the session before anything runs; cap the draft at what
+        max_new_tokens and the context leave (the proposal and the kept tokens' indices)."""
         self._check_open(session)
-        if k > self.options.max_draft_tokens:
-            raise ValueError(f"{k} draft tokens exceed this service's limit of {self.options.max_draft_tokens}")
-        if k > self.verifier.max_draft_tokens(session.target):
-            raise ContextLengthError(f"{k} draft tokens exceed the context window ({session.target.num_tokens} of "
-                                     f"{self.engine.max_context} tokens used)")
+        if proposal.num_tokens > self.options.max_draft_tokens:
+            raise ValueError(f"{proposal.num_tokens} draft tokens exceed this service's limit of {self.options.max_draft_tokens}")
+        if proposal.num_tokens and proposal.q is None and not deterministic and not session.target.params.is_greedy:
+            raise ValueError("a sampled session needs the draft's distributions q, or deterministic_draft = true "
+                             "when the drafter is deterministic (q one-hot)")
+        capped, kept = proposal.capped(session.round.max_draft_tokens)
+        self.check_kv_quota(1 + capped.num_tokens)
+        return capped, kept
 
-    async def _verify(self, session_id: str, session: VerifySession, proposal: DraftProposal,
-                      draft_ms: float = 0.0) -> verify_pb2.VerifyResponse:
-        """One round through the batcher, recorded in the session's state; the caller holds the session."""
-        self._check_round(session, proposal.num_tokens)
+    async def _apply(self, session_id: str, session: VerifySession, proposal: DraftProposal, kept: list[int],
+                     draft_ms: float = 0.0) -> verify_pb2.VerifyResponse:
+        """One prepared round through the batcher, recorded in the session's state."""
         result: VerifyResult = await self.batcher.verify(session.target, proposal)
         outcome = result.outcome
         event = session.round.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, result.verify_ms)
-        depth = proposal.num_tokens if not proposal.is_tree else max(_depths(proposal.parents), default=0)
+        depth = proposal.num_tokens if not proposal.is_tree else max(_depths(proposal.tree_parents()), default=0)
         self.metrics.record_verification(depth, outcome.num_accepted)
-        return verify_response(session_id, outcome, proposal.is_tree, result.batch_size, result.verify_ms, event.finish_reason)
+        response = verify_response(session_id, outcome, proposal.is_tree, result.batch_size, result.verify_ms, event.finish_reason)
+        if proposal.is_tree:  # node indices of the request, not of the capped tree
+            response.accepted_tree_nodes[:] = [kept[node] for node in outcome.accepted_nodes]
+        return response
 
     # RPCs
     @rpc_method
     async def OpenSession(self, request: verify_pb2.VerifyOpenSessionRequest, context) -> verify_pb2.VerifyOpenSessionResponse:
         prompt = validate_prompt(request.prompt_token_ids, self.engine.max_context, self.vocab_size)
-        params = sampling_from_pb(request.sampling, self.vocab_size)
+        params = self._sampling(request.sampling)
         if params.stop:
             raise ValueError("the Verify service works on token ids: stop strings are checked by the caller")
+        self.quotas.check_prompt(len(prompt))
         generator, seed = make_generator(params.seed, self.engine.device)
-        target = await self.engine_thread.run(self.verifier.open, prompt, params, generator)
-        session_id = await self.add_session(self._new_session(target, len(prompt), seed), request.session_id)
+        async with self.admission(len(prompt) + 1):
+            target = await self._prefill(prompt, params, generator)
+            session_id = await self.add_session(self._new_session(target, len(prompt), seed))
         return verify_pb2.VerifyOpenSessionResponse(session_id=session_id, first_token_id=target.pending_token_id,
                                                     ttl_ms=self.sessions.ttl_ms, seed=seed)
 
@@ -99,23 +148,44 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     async def Verify(self, request: verify_pb2.VerifyRequest, context) -> verify_pb2.VerifyResponse:
         proposal = proposal_from_pb(request, self.vocab_size)
         async with self.session_call(request.session_id) as session:
-            return await self._verify(request.session_id, session, proposal)
+            replay = session.rounds.replay(request)
+            if replay is not None:
+                return replay
+            response = await self._apply(request.session_id, session, *self._prepare(session, proposal, request.deterministic_draft))
+            session.rounds.remember(request, response)
+            return response
 
     @rpc_method
     async def VerifyBatch(self, request: verify_pb2.VerifyBatchRequest, context) -> verify_pb2.VerifyBatchResponse:
+        """All items are validated before any is applied; an item failing while applied is answered
+        in its own status (its session unchanged, or closed if its state became unknown)."""
         ids = [r.session_id for r in request.requests]
         if len(set(ids)) != len(ids):
             raise ValueError("a session may appear only once in a VerifyBatch")
-        for session_id in ids:
-            self.sessions.get(session_id)  # NOT_FOUND before anything runs
         proposals = [proposal_from_pb(r, self.vocab_size) for r in request.requests]
-
-        async def one(session_id: str, proposal: DraftProposal) -> verify_pb2.VerifyResponse:
-            async with self.session_call(session_id) as session:
-                return await self._verify(session_id, session, proposal)
-
-        responses = await asyncio.gather(*(one(i, p) for i, p in zip(ids, proposals)))
+        async with self.session_calls(ids) as sessions:
+            replays = [s.rounds.replay(r) for s, r in zip(sessions, request.requests)]
+            prepared = {i: self._prepare(s, p, r.deterministic_draft)
+                        for i, (s, p, r, replay) in enumerate(zip(sessions, proposals, request.requests, replays)) if replay is None}
+            applied = await asyncio.gather(*(self._apply(ids[i], sessions[i], *prepared[i]) for i in prepared),
+                                           return_exceptions=True)
+            responses = list(replays)
+            for i, outcome in zip(prepared, applied):
+                if isinstance(outcome, BaseException):
+                    if not isinstance(outcome, Exception):
+                        raise outcome
+                    responses[i] = self._item_failure(ids[i], outcome)
+                else:
+                    sessions[i].rounds.remember(request.requests[i], outcome)
+                    responses[i] = outcome
         return verify_pb2.VerifyBatchResponse(responses=responses)
+
+    def _item_failure(self, session_id: str, exc: Exception) -> verify_pb2.VerifyResponse:
+        code = status_for(exc)
+        if not isinstance(exc, STATE_PRESERVING_ERRORS):
+            log.error("VerifyBatch item failed; closing session", exc_info=exc)
+            self.close_later(session_id)
+        return verify_pb2.VerifyResponse(session_id=session_id, status_code=code.value[0], status_message=message_for(exc, code))
 
     @rpc_method
     async def Step(self, request: verify_pb2.StepRequest, context) -> verify_pb2.StepResponse:
@@ -125,35 +195,53 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         if request.num_draft_tokens > self.options.max_draft_tokens:
             raise ValueError(f"{request.num_draft_tokens} draft tokens exceed this service's limit of {self.options.max_draft_tokens}")
         async with self.session_call(request.session_id) as session:
+            replay = session.rounds.replay(request)
+            if replay is not None:
+                return replay
             self._check_open(session)
             if session.fused is None:
                 prompt = session.target.token_ids[: session.round.num_prompt_tokens]
                 state = await self.engine_thread.run(self.fused_drafter.open, prompt)
                 session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), self.fused_drafter.device)[0])
             k = session.round.next_k(request.num_draft_tokens or None)
+            self.check_kv_quota(1 + k)  # before the drafter's state moves
             start = time.perf_counter()
             proposal = await self.engine_thread.run(self.fused_drafter.propose, session.fused.state,
                                                     session.round.take_draft_input(), k, session.target.params,
                                                     session.fused.generator)
             draft_ms = (time.perf_counter() - start) * 1e3
-            response = await self._verify(request.session_id, session, proposal, draft_ms)
-        return verify_pb2.StepResponse(result=response, num_draft_tokens=proposal.num_tokens, draft_ms=draft_ms)
+            prepared = self._prepare(session, proposal, deterministic=True)  # q travels with the proposal when sampled
+            result = await self._apply(request.session_id, session, *prepared, draft_ms=draft_ms)
+            response = verify_pb2.StepResponse(result=result, num_draft_tokens=proposal.num_tokens, draft_ms=draft_ms)
+            session.rounds.remember(request, response)
+        return response
 
     @rpc_method
     async def Fork(self, request: verify_pb2.ForkRequest, context) -> verify_pb2.ForkResponse:
-        if request.num_children < 1:
-            raise ValueError("num_children must be >= 1")
-        if request.child_sampling and len(request.child_sampling) != request.num_children:
+        """Children of the caller's session (verify.proto says what they inherit); all or none."""
+        n = request.num_children
+        if not 1 <= n <= self.options.max_fork_children:
+            raise ValueError(f"num_children must be in [1, {self.options.max_fork_children}], got {n}")
+        self.quotas.check_fork(n)
+        if request.child_sampling and len(request.child_sampling) != n:
             raise ValueError("child_sampling must be empty or have one entry per child")
         append = token_ids_from_pb(request.append_token_ids, self.vocab_size, "append_token_ids")
+        child_params = [self._sampling(p) for p in request.child_sampling]
         async with self.session_call(request.session_id) as parent:
             if len(append) > self.verifier.max_draft_tokens(parent.target):
                 raise ContextLengthError("append_token_ids do not fit in the context window")
-            params = [sampling_from_pb(p, self.vocab_size) for p in request.child_sampling] or \
-                [parent.target.params] * request.num_children
-            seeds = [p.seed if request.child_sampling else (parent.seed + 1 + i) % 2**63 for i, p in enumerate(params)]
-            children = await self.engine_thread.run(self._fork, parent, append, params, seeds)
-        child_ids = [await self.add_session(child) for child in children]
+            params = child_params or [parent.target.params] * n
+            seeds = [p.seed if child_params else (parent.seed + 1 + i) % 2**63 for i, p in enumerate(params)]
+            async with self.admission(n * (parent.target.num_tokens + len(append)), num_sessions=n):
+                children = await self.engine_thread.run(self._fork, parent, append, params, seeds)
+                child_ids: list[str] = []
+                try:
+                    for child in children:
+                        child_ids.append(await self.add_session(child))
+                except BaseException:  # a Fork that fails creates no child
+                    await asyncio.gather(*(self.sessions.close(i) for i in child_ids))
+                    await self.engine_thread.run(lambda: [self.free_session(c) for c in children[len(child_ids):]])
+                    raise
         return verify_pb2.ForkResponse(child_session_ids=child_ids, next_token_ids=[c.target.pending_token_id for c in children])
 
     def _fork(self, parent: VerifySession, append: list[int], params: list[SamplingParams], seeds: list[int]) -> list[VerifySession]:
@@ -171,9 +259,15 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     @rpc_method
     async def Generate(self, request: verify_pb2.VerifyGenerateRequest, context):
         prompt = validate_prompt(request.prompt_token_ids, self.engine.max_context, self.vocab_size)
-        params = sampling_from_pb(request.sampling, self.vocab_size, self.options.default_max_new_tokens)
+        params = self._sampling(request.sampling)
         if params.stop:
             raise ValueError("Verify.Generate works on token ids and takes no stop strings")
+        self.quotas.check_prompt(len(prompt))
+        async with self.admission(min(len(prompt) + params.max_new_tokens, self.engine.max_context)):  # one session's worth
+            async for response in self._generate(prompt, params):
+                yield response
+
+    async def _generate(self, prompt: list[int], params: SamplingParams):
         stream = speculative_stream(self.verifier, None, prompt, params)
         try:
             while True:
@@ -196,6 +290,9 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             model=model_info_pb(self.options.model, self.model_folder, self.engine),
             fused_drafter=self.options.fused_drafter if self.fused_drafter is not None else "",
             max_batch_tokens=self.options.max_batch_tokens,
+            kv=kv_usage_pb(self.engine.kv_usage()),
+            max_draft_tokens=self.options.max_draft_tokens,
+            max_fork_children=self.options.max_fork_children,
         )
 
 

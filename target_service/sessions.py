@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from servicekit.rounds import RoundLog
 from specmesh.decoding.state import SpeculationState
 from specmesh.decoding.verifier import TargetSession
 
@@ -25,3 +26,4 @@ class VerifySession:
     round: SpeculationState  # finish rules, k policy and stats of the session's rounds
     seed: int
     fused: FusedDraft | None = None
+    rounds: RoundLog = field(default_factory=RoundLog)  # Verify / Step rounds applied (safe resends)

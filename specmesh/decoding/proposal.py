@@ -30,6 +30,7 @@ import torch
 
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.tree import chain_parents, validate_parents
+from specmesh.decoding.types import NO_PARENT
 
 DrafterState = TypeVar("DrafterState")
 
@@ -86,6 +87,28 @@ class DraftProposal:
         if self.parents is not None:
             validate_parents(self.parents, self.num_tokens)
 
+    def capped(self, max_depth: int) -> tuple[DraftProposal, list[int]]:
+        """The proposal without the draft tokens deeper than `max_depth` (a chain: its first
+        `max_depth` tokens), and the kept tokens' indices in this proposal (ascending).
+
+        >>> DraftProposal([7, 8, 9], parents=[-1, 0, -1]).capped(1)
+        (DraftProposal(token_ids=[7, 9], q=None, parents=[-1, -1]), [0, 2])
+        """
+        if not self.is_tree:
+            kept = list(range(min(self.num_tokens, max(0, max_depth))))
+            return (self if len(kept) == self.num_tokens else
+                    DraftProposal(self.token_ids[:len(kept)], None if self.q is None else self.q[:len(kept)])), kept
+        depths: list[int] = []
+        for parent in self.tree_parents():
+            depths.append(1 if parent == NO_PARENT else depths[parent] + 1)
+        kept = [i for i, depth in enumerate(depths) if depth <= max_depth]
+        if len(kept) == self.num_tokens:
+            return self, kept
+        new_index = {old: new for new, old in enumerate(kept)}
+        parents = [NO_PARENT if self.tree_parents()[i] == NO_PARENT else new_index[self.tree_parents()[i]] for i in kept]
+        q = None if self.q is None else self.q[kept]
+        return DraftProposal([self.token_ids[i] for i in kept], q, parents), kept
+
     @classmethod
     def make_dummy(cls, k: int, vocab_size: int, *, with_q: bool = False, tree: bool = False) -> DraftProposal:
         """A well-formed proposal for tests: tokens 0..k-1 (mod vocab), uniform q, a star tree."""
@@ -103,6 +126,11 @@ class Drafter(Protocol[DrafterState]):
 
     def open(self, prompt_ids: Sequence[int]) -> DrafterState:
         """Start a session on the prompt; returns the drafter's per-session state."""
+        ...
+
+    def check_call(self, state: DrafterState, accepted_since_last: Sequence[int], max_tokens: int) -> None:
+        """Raise ValueError if `propose` could not serve this call; changes nothing. A service checks
+        every call before it joins a batch, so one bad call cannot fail the others' draft."""
         ...
 
     def propose(

@@ -60,8 +60,9 @@ class SamplingParams:
         """Raise ValueError naming the first bad field; `vocab_size` also bounds stop_token_ids."""
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < 0 or (vocab_size is not None and self.top_k > vocab_size):
+            bound = f" and <= vocab_size {vocab_size}" if vocab_size is not None else ""
+            raise ValueError(f"top_k must be an integer >= 0{bound} (0 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):

@@ -62,6 +62,16 @@ class ModelDrafter:
     def close(self, state: ModelDraftState) -> None:
         self.engine.free(state.seq_id)
 
+    def check_call(self, state: ModelDraftState, accepted_since_last: Sequence[int], max_tokens: int) -> None:
+        """After a proposal of k tokens, the next call must bring the accepted ones and the target's
+        own token (1 to k + 1 tokens); a proposal needs something to feed."""
+        n = len(accepted_since_last)
+        if state.num_drafted and not 1 <= n <= state.num_drafted + 1:
+            raise ValueError(f"after a draft of {state.num_drafted} tokens, accepted_token_ids must hold the accepted "
+                             f"draft tokens and the target's token (1 to {state.num_drafted + 1} tokens), got {n}")
+        if max_tokens and not state.num_drafted and not state.pending and not n:
+            raise ValueError("nothing to draft from: send the tokens accepted since the last call")
+
     def propose(
         self,
         state: ModelDraftState,
@@ -80,6 +90,8 @@ class ModelDrafter:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
     ) -> list[DraftProposal]:
+        for state, tokens, k in zip(states, accepted, max_tokens):
+            self.check_call(state, tokens, k)  # all, before any state moves
         for state, tokens in zip(states, accepted):
             self._absorb(state, tokens)
         limits = [max(0, min(k, self.engine.max_context - s.num_tokens)) for s, k in zip(states, max_tokens)]

@@ -192,6 +192,9 @@ class PromptLookupDrafter:
     def propose_many(self, states, accepted, max_tokens, params, generators) -> list[DraftProposal]:
         return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]
 
+    def check_call(self, state, accepted_since_last: Sequence[int], max_tokens: int) -> None:
+        """Every call is servable: the index takes any tokens, and a miss proposes nothing."""
+
     def close(self, state: PromptLookupIndex) -> None:
         """Nothing to release: the index is plain Python and dies with the state."""
 
@@ -229,6 +232,9 @@ class NgramStoreDrafter:
 
     def propose_many(self, states, accepted, max_tokens, params, generators) -> list[DraftProposal]:
         return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]
+
+    def check_call(self, state, accepted_since_last: Sequence[int], max_tokens: int) -> None:
+        """Every call is servable: the index takes any tokens, and a miss proposes nothing."""
 
     def close(self, state: NgramStore) -> None:
         """Nothing to release: the store is plain Python and dies with the state."""

@@ -47,6 +47,15 @@ class SeqInput:
     parents: list[int] | None = None  # [num_new] tree parents (NO_PARENT = off the prefix); None = chain
 
 
+@dataclass(frozen=True)
+class KvUsage:
+    """The KV pool: `total_blocks` of `block_size` tokens, `free_blocks` of them unused."""
+
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+
+
 @dataclass
 class EngineStats:
     num_forwards: int = 0  # forward calls (one ragged batch each)
@@ -66,6 +75,8 @@ class Engine(Protocol):
     stats: EngineStats
 
     def new_sequence(self) -> int: ...
+
+    def kv_usage(self) -> KvUsage: ...
 
     def fork(self, seq_id: int) -> int:
         """A child sequence sharing the parent's KV prefix (copy-on-write)."""

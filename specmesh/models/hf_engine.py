@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from specmesh.kv.errors import OutOfBlocksError
-from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, ContextLengthError, EngineStats, SeqInput
+from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, ContextLengthError, EngineStats, KvUsage, SeqInput
 
 
 class HFEngine:
@@ -69,6 +69,10 @@ class HFEngine:
     def free(self, seq_id: int) -> None:
         self.seq_len(seq_id)
         del self._caches[seq_id], self._lengths[seq_id]
+
+    def kv_usage(self) -> KvUsage:
+        """The HF cache is not paged: a block is one token."""
+        return KvUsage(1, self.max_kv_tokens, max(0, self.max_kv_tokens - self.num_cached_tokens))
 
     @property
     def num_cached_tokens(self) -> int:

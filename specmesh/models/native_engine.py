@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from specmesh.kv.cache import PagedKVCache
-from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, NO_PARENT, ContextLengthError, EngineStats, SeqInput
+from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, NO_PARENT, ContextLengthError, EngineStats, KvUsage, SeqInput
 from specmesh.models.llama import AttentionBatch, LlamaFamilyModel
 
 DEFAULT_BLOCK_SIZE = 16
@@ -108,6 +108,10 @@ class NativeEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.cache.blocks.num_free_blocks
+
+    def kv_usage(self) -> KvUsage:
+        blocks = self.cache.blocks
+        return KvUsage(blocks.block_size, blocks.num_blocks, blocks.num_free_blocks)
 
     # forward
     def forward(self, batch: Sequence[SeqInput]) -> list[torch.Tensor]:

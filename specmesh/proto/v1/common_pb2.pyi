@@ -84,6 +84,8 @@ Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 class SamplingParams(_message.Message):
     """How target tokens are chosen. temperature == 0 means greedy (top_k / top_p / seed are ignored).
     The draft and verify sides apply the same processing, so p and q are the *processed* distributions.
+    Every service validates these the same way: NaN, infinite or out-of-range values are
+    INVALID_ARGUMENT (temperature >= 0, top_p in [0, 1], top_k <= vocab).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -95,7 +97,6 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
-    HAS_SEED_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 = greedy; > 0 scales logits by 1/temperature"""
     top_k: _builtins.int
@@ -103,16 +104,16 @@ class SamplingParams(_message.Message):
     top_p: _builtins.float
     """nucleus mass in (0, 1]; 0 or 1 = no limit"""
     seed: _builtins.int
-    """seeds the per-request generator; same seed -> same output"""
+    """seeds the per-request generator; same seed -> same output;"""
     max_new_tokens: _builtins.int
     """tokens to generate at most (excluding the prompt); 0 = server default"""
     ignore_eos: _builtins.bool
     """keep going past the end-of-sequence token"""
-    has_seed: _builtins.bool
-    """false: the server picks a fresh seed (reported back in stats)"""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """stop strings; generation ends after the first one appears"""
+        """absent: the server picks a fresh seed (reported back)
+        stop strings; generation ends after the first one appears
+        """
 
     def __init__(
         self,
@@ -120,17 +121,18 @@ class SamplingParams(_message.Message):
         temperature: _builtins.float = ...,
         top_k: _builtins.int = ...,
         top_p: _builtins.float = ...,
-        seed: _builtins.int = ...,
+        seed: _builtins.int | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         max_new_tokens: _builtins.int = ...,
         ignore_eos: _builtins.bool = ...,
-        has_seed: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_seed", b"has_seed", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
@@ -169,6 +171,7 @@ Global___Tensor: _TypeAlias = Tensor  # noqa: Y015
 class SparseDistributions(_message.Message):
     """An exactly sparse distribution per draft position: only the support travels (top-k / top-p q's).
     Row i owns ids[offsets[i]:offsets[i+1]] and probs[offsets[i]:offsets[i+1]]; probs of a row sum to 1.
+    A token id may appear at most once per row.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -211,6 +214,10 @@ Global___SparseDistributions: _TypeAlias = SparseDistributions  # noqa: Y015
 class DraftDistributions(_message.Message):
     """The exact draft distributions q that draft tokens were sampled from. Absent when the drafter is
     deterministic (greedy or n-gram): then q is one-hot on each draft token.
+    Each row must be a distribution: finite, >= 0, summing to 1 within 1e-3 (float32) or 1e-2
+    (float16 / bfloat16, whose rounding moves the sum); other rows are INVALID_ARGUMENT. float16 and
+    bfloat16 rows are renormalised (float64 sum, then float32) before use, by the drafter that samples
+    from them and by the verifier alike; float32 rows are used as sent.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -302,6 +309,34 @@ class SpeculationStats(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SpeculationStats: _TypeAlias = SpeculationStats  # noqa: Y015
+
+@_typing.final
+class KvUsage(_message.Message):
+    """The KV cache pool of a service's engine (paged: fixed-size blocks shared by all sessions)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
+    FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    block_size: _builtins.int
+    """tokens per block"""
+    total_blocks: _builtins.int
+    free_blocks: _builtins.int
+    def __init__(
+        self,
+        *,
+        block_size: _builtins.int = ...,
+        total_blocks: _builtins.int = ...,
+        free_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "free_blocks", b"free_blocks", "total_blocks", b"total_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvUsage: _TypeAlias = KvUsage  # noqa: Y015
 
 @_typing.final
 class ModelInfo(_message.Message):

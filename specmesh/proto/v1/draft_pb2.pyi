@@ -25,9 +25,6 @@ class DraftOpenSessionRequest(_message.Message):
 
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
-    SESSION_ID_FIELD_NUMBER: _builtins.int
-    session_id: _builtins.str
-    """optional: caller-chosen id; empty = the service picks one"""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[prompt_len] the full prompt"""
@@ -41,11 +38,10 @@ class DraftOpenSessionRequest(_message.Message):
         *,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
-        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -89,6 +85,7 @@ class ProposeRequest(_message.Message):
     SPARSE_DISTRIBUTIONS_FIELD_NUMBER: _builtins.int
     DISTRIBUTIONS_DTYPE_FIELD_NUMBER: _builtins.int
     NUM_REWIND_TOKENS_FIELD_NUMBER: _builtins.int
+    ROUND_INDEX_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_draft_tokens: _builtins.int
     """k: how many tokens to propose; 0 = only append accepted_token_ids"""
@@ -100,6 +97,8 @@ class ProposeRequest(_message.Message):
     """dtype q travels in; the drafter samples from that rounded q"""
     num_rewind_tokens: _builtins.int
     """drop this many draft tokens of the last proposal before appending"""
+    round_index: _builtins.int
+    """Propose calls the session answered before this one; a resent"""
     @_builtins.property
     def accepted_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """tokens the target accepted since the last call (incl. its own token)"""
@@ -114,12 +113,15 @@ class ProposeRequest(_message.Message):
         sparse_distributions: _builtins.bool = ...,
         distributions_dtype: _common_pb2.DType.ValueType = ...,
         num_rewind_tokens: _builtins.int = ...,
+        round_index: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "round_index", b"round_index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_token_ids", b"accepted_token_ids", "distributions_dtype", b"distributions_dtype", "num_draft_tokens", b"num_draft_tokens", "num_rewind_tokens", b"num_rewind_tokens", "return_distributions", b"return_distributions", "session_id", b"session_id", "sparse_distributions", b"sparse_distributions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "accepted_token_ids", b"accepted_token_ids", "distributions_dtype", b"distributions_dtype", "num_draft_tokens", b"num_draft_tokens", "num_rewind_tokens", b"num_rewind_tokens", "return_distributions", b"return_distributions", "round_index", b"round_index", "session_id", b"session_id", "sparse_distributions", b"sparse_distributions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__round_index: _TypeAlias = _typing.Literal["round_index"]  # noqa: Y015
+    _WhichOneofArgType__round_index: _TypeAlias = _typing.Literal["_round_index", b"_round_index"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__round_index) -> _WhichOneofReturnType__round_index | None: ...
 
 Global___ProposeRequest: _TypeAlias = ProposeRequest  # noqa: Y015
 
@@ -131,8 +133,11 @@ class ProposeResponse(_message.Message):
     DISTRIBUTIONS_FIELD_NUMBER: _builtins.int
     DRAFT_MS_FIELD_NUMBER: _builtins.int
     TREE_PARENTS_FIELD_NUMBER: _builtins.int
+    ROUND_INDEX_FIELD_NUMBER: _builtins.int
     draft_ms: _builtins.float
     """time spent drafting inside the service"""
+    round_index: _builtins.int
+    """the index of the call this answers"""
     @_builtins.property
     def draft_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[<= k] fewer when the drafter has nothing to say (n-gram miss)"""
@@ -152,10 +157,11 @@ class ProposeResponse(_message.Message):
         distributions: _common_pb2.DraftDistributions | None = ...,
         draft_ms: _builtins.float = ...,
         tree_parents: _abc.Iterable[_builtins.int] | None = ...,
+        round_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions", "draft_ms", b"draft_ms", "draft_token_ids", b"draft_token_ids", "tree_parents", b"tree_parents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions", "draft_ms", b"draft_ms", "draft_token_ids", b"draft_token_ids", "round_index", b"round_index", "tree_parents", b"tree_parents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -221,19 +227,25 @@ class DraftGetInfoResponse(_message.Message):
 
     MODEL_FIELD_NUMBER: _builtins.int
     DRAFTER_FIELD_NUMBER: _builtins.int
+    KV_FIELD_NUMBER: _builtins.int
     drafter: _builtins.str
     """"model" or "ngram" """
     @_builtins.property
     def model(self) -> _common_pb2.ModelInfo: ...
+    @_builtins.property
+    def kv(self) -> _common_pb2.KvUsage:
+        """the drafter model's KV pool (empty for n-gram drafters)"""
+
     def __init__(
         self,
         *,
         model: _common_pb2.ModelInfo | None = ...,
         drafter: _builtins.str = ...,
+        kv: _common_pb2.KvUsage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drafter", b"drafter", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drafter", b"drafter", "kv", b"kv", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,8 +27,6 @@ class StageOpenSessionRequest(_message.Message):
 
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
-    SESSION_ID_FIELD_NUMBER: _builtins.int
-    session_id: _builtins.str
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -38,11 +36,10 @@ class StageOpenSessionRequest(_message.Message):
         *,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
-        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -80,11 +77,16 @@ class VerifyAndExtendRequest(_message.Message):
     DISTRIBUTIONS_FIELD_NUMBER: _builtins.int
     NUM_EXTEND_TOKENS_FIELD_NUMBER: _builtins.int
     RETURN_DISTRIBUTIONS_FIELD_NUMBER: _builtins.int
+    DETERMINISTIC_DRAFT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_extend_tokens: _builtins.int
-    """how many tokens to append after the accepted prefix"""
+    """session needs deterministic_draft)
+    how many tokens to append after the accepted prefix
+    """
     return_distributions: _builtins.bool
     """send this stage's q for its output tokens"""
+    deterministic_draft: _builtins.bool
+    """as in VerifyRequest"""
     @_builtins.property
     def accepted_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """tokens the top stage accepted since the last call"""
@@ -95,7 +97,7 @@ class VerifyAndExtendRequest(_message.Message):
 
     @_builtins.property
     def distributions(self) -> _common_pb2.DraftDistributions:
-        """the lower stage's q; absent = one-hot"""
+        """the lower stage's q; absent = one-hot (then a sampled"""
 
     def __init__(
         self,
@@ -106,10 +108,11 @@ class VerifyAndExtendRequest(_message.Message):
         distributions: _common_pb2.DraftDistributions | None = ...,
         num_extend_tokens: _builtins.int = ...,
         return_distributions: _builtins.bool = ...,
+        deterministic_draft: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_token_ids", b"accepted_token_ids", "distributions", b"distributions", "draft_token_ids", b"draft_token_ids", "num_extend_tokens", b"num_extend_tokens", "return_distributions", b"return_distributions", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_token_ids", b"accepted_token_ids", "deterministic_draft", b"deterministic_draft", "distributions", b"distributions", "draft_token_ids", b"draft_token_ids", "num_extend_tokens", b"num_extend_tokens", "return_distributions", b"return_distributions", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -244,16 +247,20 @@ class StageGetInfoResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_FIELD_NUMBER: _builtins.int
+    KV_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def model(self) -> _common_pb2.ModelInfo: ...
+    @_builtins.property
+    def kv(self) -> _common_pb2.KvUsage: ...
     def __init__(
         self,
         *,
         model: _common_pb2.ModelInfo | None = ...,
+        kv: _common_pb2.KvUsage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,9 +25,6 @@ class VerifyOpenSessionRequest(_message.Message):
 
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
-    SESSION_ID_FIELD_NUMBER: _builtins.int
-    session_id: _builtins.str
-    """optional caller-chosen id"""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[prompt_len]"""
@@ -41,11 +38,10 @@ class VerifyOpenSessionRequest(_message.Message):
         *,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
-        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -89,14 +85,25 @@ class VerifyRequest(_message.Message):
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     DISTRIBUTIONS_FIELD_NUMBER: _builtins.int
     TREE_PARENTS_FIELD_NUMBER: _builtins.int
+    DETERMINISTIC_DRAFT_FIELD_NUMBER: _builtins.int
+    ROUND_INDEX_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    deterministic_draft: _builtins.bool
+    """the draft came from a deterministic drafter (greedy, n-gram):"""
+    round_index: _builtins.int
+    """q is one-hot. A sampled session needs q or this flag.
+    rounds the session has completed before this one (0 = the first
+    """
     @_builtins.property
     def draft_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """[k] proposed continuation of the session's last token"""
+        """[k] proposed continuation of the session's last token; the"""
 
     @_builtins.property
     def distributions(self) -> _common_pb2.DraftDistributions:
-        """q [k, vocab]; absent = one-hot (deterministic drafter)"""
+        """service caps k at what max_new_tokens and the context leave
+        (the draft's tail past the cap is ignored, not judged)
+        q [k, vocab] the draft tokens were sampled from
+        """
 
     @_builtins.property
     def tree_parents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -109,12 +116,16 @@ class VerifyRequest(_message.Message):
         draft_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         distributions: _common_pb2.DraftDistributions | None = ...,
         tree_parents: _abc.Iterable[_builtins.int] | None = ...,
+        deterministic_draft: _builtins.bool = ...,
+        round_index: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "distributions", b"distributions", "round_index", b"round_index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions", "draft_token_ids", b"draft_token_ids", "session_id", b"session_id", "tree_parents", b"tree_parents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "deterministic_draft", b"deterministic_draft", "distributions", b"distributions", "draft_token_ids", b"draft_token_ids", "round_index", b"round_index", "session_id", b"session_id", "tree_parents", b"tree_parents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__round_index: _TypeAlias = _typing.Literal["round_index"]  # noqa: Y015
+    _WhichOneofArgType__round_index: _TypeAlias = _typing.Literal["_round_index", b"_round_index"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__round_index) -> _WhichOneofReturnType__round_index | None: ...
 
 Global___VerifyRequest: _TypeAlias = VerifyRequest  # noqa: Y015
 
@@ -129,6 +140,9 @@ class VerifyResponse(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     VERIFY_MS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
+    ROUND_INDEX_FIELD_NUMBER: _builtins.int
+    STATUS_CODE_FIELD_NUMBER: _builtins.int
+    STATUS_MESSAGE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_accepted_tokens: _builtins.int
     """how many draft tokens were accepted (a prefix / a tree path)"""
@@ -137,7 +151,13 @@ class VerifyResponse(_message.Message):
     verify_ms: _builtins.float
     """time of that forward"""
     finish_reason: _common_pb2.FinishReason.ValueType
-    """set when the session hit EOS / context limit"""
+    """set when the session finished with this round"""
+    round_index: _builtins.int
+    """the index of the round this answers"""
+    status_code: _builtins.int
+    """VerifyBatch only: 0 = applied; else the grpc status code of"""
+    status_message: _builtins.str
+    """this item's failure (the session is then unchanged)"""
     @_builtins.property
     def accepted_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the accepted draft tokens followed by the target's own token"""
@@ -156,10 +176,13 @@ class VerifyResponse(_message.Message):
         batch_size: _builtins.int = ...,
         verify_ms: _builtins.float = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
+        round_index: _builtins.int = ...,
+        status_code: _builtins.int = ...,
+        status_message: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_token_ids", b"accepted_token_ids", "accepted_tree_nodes", b"accepted_tree_nodes", "batch_size", b"batch_size", "finish_reason", b"finish_reason", "num_accepted_tokens", b"num_accepted_tokens", "session_id", b"session_id", "verify_ms", b"verify_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_token_ids", b"accepted_token_ids", "accepted_tree_nodes", b"accepted_tree_nodes", "batch_size", b"batch_size", "finish_reason", b"finish_reason", "num_accepted_tokens", b"num_accepted_tokens", "round_index", b"round_index", "session_id", b"session_id", "status_code", b"status_code", "status_message", b"status_message", "verify_ms", b"verify_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -213,20 +236,26 @@ class StepRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    ROUND_INDEX_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_draft_tokens: _builtins.int
     """k for this step; 0 = let the service adapt k"""
+    round_index: _builtins.int
+    """as in VerifyRequest: makes a resent Step safe"""
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         num_draft_tokens: _builtins.int = ...,
+        round_index: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "round_index", b"round_index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_draft_tokens", b"num_draft_tokens", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "num_draft_tokens", b"num_draft_tokens", "round_index", b"round_index", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__round_index: _TypeAlias = _typing.Literal["round_index"]  # noqa: Y015
+    _WhichOneofArgType__round_index: _TypeAlias = _typing.Literal["_round_index", b"_round_index"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__round_index) -> _WhichOneofReturnType__round_index | None: ...
 
 Global___StepRequest: _TypeAlias = StepRequest  # noqa: Y015
 
@@ -259,6 +288,19 @@ Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
 
 @_typing.final
 class ForkRequest(_message.Message):
+    """A child starts as a copy of the parent's sequence: the prompt, every emitted token and the
+    parent's pending token (the last emitted one, whose KV is not computed yet: the child's next
+    round feeds it, exactly as the parent's would). It shares the parent's KV blocks copy-on-write,
+    is owned by the same principal and is independent afterwards (closing either leaves the other).
+    A child inherits the parent's sampling params unless child_sampling names its own, and its rounds
+    count from the fork: finish rules (max_new_tokens, ...) apply to what the child generates, and
+    its round_index starts at 0. Without child_sampling, child i is seeded with parent seed + 1 + i.
+    With append_token_ids, one forward feeds [pending, *append_token_ids] to every child and samples
+    each child's next token, reported in next_token_ids (the child's new pending token); without,
+    next_token_ids repeats the parent's pending token. num_children is bounded by the service
+    (GetInfo.max_fork_children); a Fork that fails creates no child.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
@@ -303,7 +345,7 @@ class ForkResponse(_message.Message):
     def child_session_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def next_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """per child: the target's token after append_token_ids"""
+        """per child: its pending token (after append_token_ids)"""
 
     def __init__(
         self,
@@ -435,22 +477,36 @@ class VerifyGetInfoResponse(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     FUSED_DRAFTER_FIELD_NUMBER: _builtins.int
     MAX_BATCH_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_FIELD_NUMBER: _builtins.int
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_FORK_CHILDREN_FIELD_NUMBER: _builtins.int
     fused_drafter: _builtins.str
     """drafter hosted for Step, "" if none"""
     max_batch_tokens: _builtins.int
     """the batcher's token budget per forward"""
+    max_draft_tokens: _builtins.int
+    """the largest k a Verify may carry"""
+    max_fork_children: _builtins.int
+    """the most children one Fork may create"""
     @_builtins.property
     def model(self) -> _common_pb2.ModelInfo: ...
+    @_builtins.property
+    def kv(self) -> _common_pb2.KvUsage:
+        """the target's KV pool now"""
+
     def __init__(
         self,
         *,
         model: _common_pb2.ModelInfo | None = ...,
         fused_drafter: _builtins.str = ...,
         max_batch_tokens: _builtins.int = ...,
+        kv: _common_pb2.KvUsage | None = ...,
+        max_draft_tokens: _builtins.int = ...,
+        max_fork_children: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fused_drafter", b"fused_drafter", "max_batch_tokens", b"max_batch_tokens", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fused_drafter", b"fused_drafter", "kv", b"kv", "max_batch_tokens", b"max_batch_tokens", "max_draft_tokens", b"max_draft_tokens", "max_fork_children", b"max_fork_children", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

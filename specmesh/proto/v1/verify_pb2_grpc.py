@@ -26,7 +26,13 @@ if _version_not_supported:
 
 
 class VerifyServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
+    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
+    refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
+    RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
+    INVALID_ARGUMENT and leave it as it was too.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -77,7 +83,13 @@ class VerifyServiceStub:
 
 
 class VerifyServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
+    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
+    refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
+    RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
+    INVALID_ARGUMENT and leave it as it was too.
+    """
 
     def OpenSession(self, request, context):
         """Prefill a prompt; the KV cache stays server-side. Returns the first target token.
@@ -94,7 +106,9 @@ class VerifyServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def VerifyBatch(self, request, context):
-        """Verify several sessions' drafts in one call (one forward).
+        """Verify several sessions' drafts in one call (one forward). Every item is validated before any is
+        applied (one malformed item: INVALID_ARGUMENT, nothing applied); an item that fails while being
+        applied (e.g. no KV memory) is answered in its own response's status, the others are applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -187,7 +201,13 @@ def add_VerifyServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class VerifyService:
-    """Missing associated documentation comment in .proto file."""
+    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
+    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
+    refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
+    RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
+    INVALID_ARGUMENT and leave it as it was too.
+    """
 
     @staticmethod
     def OpenSession(request,

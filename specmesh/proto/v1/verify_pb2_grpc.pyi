@@ -27,6 +27,14 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class VerifyServiceStub:
+    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
+    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
+    refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
+    RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
+    INVALID_ARGUMENT and leave it as it was too.
+    """
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
@@ -36,7 +44,10 @@ class VerifyServiceStub:
     Verify: _grpc.UnaryUnaryMultiCallable[_verify_pb2.VerifyRequest, _verify_pb2.VerifyResponse]
     """Verify k draft tokens in one target forward (batched with other sessions' calls)."""
     VerifyBatch: _grpc.UnaryUnaryMultiCallable[_verify_pb2.VerifyBatchRequest, _verify_pb2.VerifyBatchResponse]
-    """Verify several sessions' drafts in one call (one forward)."""
+    """Verify several sessions' drafts in one call (one forward). Every item is validated before any is
+    applied (one malformed item: INVALID_ARGUMENT, nothing applied); an item that fails while being
+    applied (e.g. no KV memory) is answered in its own response's status, the others are applied.
+    """
     Step: _grpc.UnaryUnaryMultiCallable[_verify_pb2.StepRequest, _verify_pb2.StepResponse]
     """Fused mode: the service drafts with its in-process drafter, then verifies, in one RPC."""
     Fork: _grpc.UnaryUnaryMultiCallable[_verify_pb2.ForkRequest, _verify_pb2.ForkResponse]
@@ -50,13 +61,24 @@ class VerifyServiceStub:
 
 @_typing.type_check_only
 class VerifyServiceAsyncStub(VerifyServiceStub):
+    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
+    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
+    refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
+    RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
+    INVALID_ARGUMENT and leave it as it was too.
+    """
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     OpenSession: _aio.UnaryUnaryMultiCallable[_verify_pb2.VerifyOpenSessionRequest, _verify_pb2.VerifyOpenSessionResponse]  # type: ignore[assignment]
     """Prefill a prompt; the KV cache stays server-side. Returns the first target token."""
     Verify: _aio.UnaryUnaryMultiCallable[_verify_pb2.VerifyRequest, _verify_pb2.VerifyResponse]  # type: ignore[assignment]
     """Verify k draft tokens in one target forward (batched with other sessions' calls)."""
     VerifyBatch: _aio.UnaryUnaryMultiCallable[_verify_pb2.VerifyBatchRequest, _verify_pb2.VerifyBatchResponse]  # type: ignore[assignment]
-    """Verify several sessions' drafts in one call (one forward)."""
+    """Verify several sessions' drafts in one call (one forward). Every item is validated before any is
+    applied (one malformed item: INVALID_ARGUMENT, nothing applied); an item that fails while being
+    applied (e.g. no KV memory) is answered in its own response's status, the others are applied.
+    """
     Step: _aio.UnaryUnaryMultiCallable[_verify_pb2.StepRequest, _verify_pb2.StepResponse]  # type: ignore[assignment]
     """Fused mode: the service drafts with its in-process drafter, then verifies, in one RPC."""
     Fork: _aio.UnaryUnaryMultiCallable[_verify_pb2.ForkRequest, _verify_pb2.ForkResponse]  # type: ignore[assignment]
@@ -69,6 +91,14 @@ class VerifyServiceAsyncStub(VerifyServiceStub):
     """What the service serves."""
 
 class VerifyServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
+    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
+    refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
+    RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
+    INVALID_ARGUMENT and leave it as it was too.
+    """
+
     @_abc_1.abstractmethod
     def OpenSession(
         self,
@@ -91,7 +121,10 @@ class VerifyServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _verify_pb2.VerifyBatchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_verify_pb2.VerifyBatchResponse, _abc.Awaitable[_verify_pb2.VerifyBatchResponse]]:
-        """Verify several sessions' drafts in one call (one forward)."""
+        """Verify several sessions' drafts in one call (one forward). Every item is validated before any is
+        applied (one malformed item: INVALID_ARGUMENT, nothing applied); an item that fails while being
+        applied (e.g. no KV memory) is answered in its own response's status, the others are applied.
+        """
 
     @_abc_1.abstractmethod
     def Step(
