@@ -33,6 +33,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servicekit.channels import open_channel
 from servicekit.options import to_argv
 
 MODULES = {"draft": "draft_service", "verify": "target_service", "stage": "stage_service"}
@@ -73,15 +74,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def wait_serving(address: str, deadline_s: float, process: subprocess.Popen | None = None, tls_cert: str = "") -> None:
+def wait_serving(address: str, deadline_s: float, process: subprocess.Popen | None = None, tls_cert: str = "", *,
+                 tls_ca: str = "", client_cert: str = "", client_key: str = "") -> None:
     """Poll grpc.health.v1 until SERVING; raise if the process dies or the deadline passes. With
-    `tls_cert` the service's own certificate is the trusted root (a self-signed cert works)."""
-    if tls_cert:
-        credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_cert).read_bytes())
-        channel_cm = grpc.secure_channel(address, credentials)
-    else:
-        channel_cm = grpc.insecure_channel(address)
-    with channel_cm as channel:
+    `tls_cert` the service's own certificate is the trusted root (a self-signed cert works), `tls_ca`
+    names another root; an mTLS service (--tls-client-ca) needs `client_cert` / `client_key`."""
+    with open_channel(address, tls_ca=tls_ca or tls_cert, client_cert=client_cert, client_key=client_key,
+                      aio=False) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process is not None and process.poll() is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from servicekit.channels import open_channel
 from servicekit.remote import RemoteDrafter, RemoteVerifier, WireCounters
 from specmesh.decoding.adaptive import FixedK, KPolicy
 from specmesh.decoding.async_driver import generate_async
@@ -63,8 +64,11 @@ async def wire_generate(
                       len(counters.bytes_per_round), counters.bytes_per_round)
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, *, tls_ca: str = "", client_cert: str = "", client_key: str = "", token: str = "",
+            end_user: str = "") -> grpc.aio.Channel:
+    """An asyncio channel to a service (`servicekit.channels.open_channel`: TLS / mTLS, token, end user)."""
+    return open_channel(address, tls_ca=tls_ca, client_cert=client_cert, client_key=client_key, token=token,
+                        end_user=end_user, options=CHANNEL_OPTIONS)
 
 
 async def wire_generation(draft_addr: str | None, verify_addr: str, prompt_ids: Sequence[int], params: SamplingParams,

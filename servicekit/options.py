@@ -28,6 +28,11 @@ class ServerOptions:
     metrics_port: int = -1  # Prometheus /metrics port; -1 = off, 0 = any free port
     tls_cert: str = ""  # PEM certificate chain; with tls_key enables TLS
     tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA; with tls_cert: client certificates required and verified (mTLS)
+    auth_token_file: str = ""  # YAML mapping principal name -> token; set: RPCs need "authorization: Bearer <token>"
+    trusted_callers: str = ""  # comma-separated principals that may act for an end user (specmesh-end-user)
+    reflection: bool = True  # serve gRPC server reflection (v1 and v1alpha)
+    drain_grace_s: float = 30.0  # on SIGTERM: refuse new sessions, wait this long for open ones, then stop
     max_message_mb: int = 64  # max gRPC message size, both directions
     session_ttl_s: float = 300.0  # idle sessions are closed after this long
     reaper_interval_s: float = 5.0
