@@ -34,10 +34,12 @@ lint: install
 	$(PY) -m mypy
 
 test: install proto-check model
-	$(PY) -m pytest tests specmesh --doctest-modules -q
+	$(PY) -m pytest tests specmesh --doctest-modules -q --ignore=tests/contract
+	$(PY) -m pytest tests/contract -q
 
 test-fast: install
-	$(PY) -m pytest tests specmesh --doctest-modules -q -m "not slow"
+	$(PY) -m pytest tests specmesh --doctest-modules -q -m "not slow" --ignore=tests/contract
+	$(PY) -m pytest tests/contract -q
 
 bench: install model
 	@set -e; for script in bench/[a-z]*.py; do echo "== $$script"; $(PY) $$script; done

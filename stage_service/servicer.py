@@ -37,11 +37,11 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
         params = sampling_from_pb(request.sampling, self.engine.vocab_size)
         self.quotas.check_prompt(len(prompt))
         self.quotas.check_max_new_tokens(params.max_new_tokens)
-        generator, _ = make_generator(params.seed, self.engine.device)
+        generator, seed = make_generator(params.seed, self.engine.device)
         async with self.admission(len(prompt) + 1):
             session = await self.engine_thread.run(self.stage.open, prompt, params, generator)
             session_id = await self.add_session(session)
-        return stage_pb2.StageOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms)
+        return stage_pb2.StageOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=seed)
 
     @rpc_method
     async def VerifyAndExtend(self, request, context) -> stage_pb2.VerifyAndExtendResponse:

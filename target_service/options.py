@@ -15,7 +15,7 @@ class VerifyOptions(ServerOptions, ModelOptions, QuotaOptions):
     port: int = 50052
     batch_window_ms: float = 2.0  # how long the batcher collects concurrent Verify calls
     max_batch_tokens: int = 4096  # tokens (1 + k per session) per batched verify forward
-    prefill_chunk_tokens: int = 512  # a new session's prompt tokens per prefill forward, other sessions' rounds run between; 0 = one forward
+    prefill_chunk_tokens: int = 512  # prompt tokens per prefill forward; other sessions' rounds run between; 0 = one forward
     max_draft_tokens: int = 64  # largest k a Verify may carry
     max_fork_children: int = 64  # most children one Fork may create
     fused_drafter: str = "ngram"  # drafter hosted for Step: "" (none) | ngram | ngram-store | model

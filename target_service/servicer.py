@@ -140,9 +140,11 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         generator, seed = make_generator(params.seed, self.engine.device)
         async with self.admission(len(prompt) + 1):
             target = await self._prefill(prompt, params, generator)
-            session_id = await self.add_session(self._new_session(target, len(prompt), seed))
+            session = self._new_session(target, len(prompt), seed)
+            session_id = await self.add_session(session)
         return verify_pb2.VerifyOpenSessionResponse(session_id=session_id, first_token_id=target.pending_token_id,
-                                                    ttl_ms=self.sessions.ttl_ms, seed=seed)
+                                                    ttl_ms=self.sessions.ttl_ms, seed=seed,
+                                                    finish_reason=FINISH_TO_PB[session.round.finish_reason])
 
     @rpc_method
     async def Verify(self, request: verify_pb2.VerifyRequest, context) -> verify_pb2.VerifyResponse:

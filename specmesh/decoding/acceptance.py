@@ -11,8 +11,10 @@ The batch splits three ways:
 - greedy sessions (chains and trees): ONE argmax over all their rows and ONE `.tolist()`; then, per
   session, the comparison of `verify_greedy` / `verify_tree_greedy` on plain Python ints.
 - sampled chains: ONE `processed_probs_rows` over all their rows, each session's uniforms drawn from
-  its own generator exactly as `verify_sampled` draws them (k_b + 1, sessions in order), then ONE
-  padded `verify_sampled_batch` and ONE `.tolist()`.
+  its own generator exactly as `verify_sampled` draws them (k_b + 1, sessions in order; one-hot
+  drafts one draw at a time, judged position by position and the generator left num_accepted + 1
+  draws on, see `specmesh.decoding.rejection`), then ONE padded `verify_sampled_batch` and ONE
+  `.tolist()`.
 - sampled trees (rare): p from the same `processed_probs_rows` call, the uniforms `verify_tree_sampled`
   would draw, then `verify_tree_sampled_with_uniforms` per session.
 Outcomes and generator states equal those of the per-session functions, seed for seed.
@@ -33,7 +35,13 @@ from collections.abc import Sequence
 import torch
 
 from specmesh.decoding.proposal import DraftProposal
-from specmesh.decoding.rejection import draw_uniforms, verify_greedy, verify_sampled_batch
+from specmesh.decoding.rejection import (
+    draw_positional_uniforms,
+    draw_uniforms,
+    keep_used_uniforms,
+    verify_greedy,
+    verify_sampled_batch,
+)
 from specmesh.decoding.sampling import SamplingParams, processed_probs_rows
 from specmesh.decoding.tree import verify_tree_greedy, verify_tree_sampled_with_uniforms
 from specmesh.decoding.types import PLACEHOLDER_TOKEN_ID, FinalTokenKind, VerifyOutcome
@@ -119,7 +127,12 @@ def _accept_sampled(
         return []
     device = logits[0].device
     # Draw in session order, k_b + 1 each, as verify_sampled / verify_tree_sampled do one by one.
-    uniforms = [draw_uniforms(1, pr.num_tokens, g, device)[0] for pr, g in zip(proposals, generators)]  # [1 + k_b]
+    positional = [not pr.is_tree and pr.q is None for pr in proposals]  # one-hot chains
+    uniforms, states = [], []
+    for pr, g, one_hot in zip(proposals, generators, positional):
+        u, state = draw_positional_uniforms(pr.num_tokens, g, device) if one_hot else (draw_uniforms(1, pr.num_tokens, g, device)[0], None)
+        uniforms.append(u)  # [1 + k_b]
+        states.append(state)
     chains = [b for b, pr in enumerate(proposals) if not pr.is_tree]
     trees = [b for b, pr in enumerate(proposals) if pr.is_tree]
     order = chains + trees  # the chains' rows first: they form one contiguous block of p
@@ -129,7 +142,10 @@ def _accept_sampled(
     offsets = cumulative_offsets(num_rows)
     outcomes = dict(zip(chains, _accept_sampled_chains(
         p[:offsets[len(chains)]], [proposals[b] for b in chains], [uniforms[b] for b in chains],
+        torch.tensor([positional[b] for b in chains], device=device),
     )))
+    for b in chains:
+        keep_used_uniforms(generators[b], states[b], len(outcomes[b].token_ids), device)
     for i, b in enumerate(trees, start=len(chains)):
         proposal = proposals[b]
         q = proposal.probs_q()
@@ -144,8 +160,10 @@ def _accept_sampled_chains(
     p_flat: torch.Tensor,
     proposals: Sequence[DraftProposal],
     uniforms: Sequence[torch.Tensor],
+    positional: torch.Tensor,
 ) -> list[VerifyOutcome]:
-    """p_flat [sum(1 + k_b), vocab] and uniforms [1 + k_b] per chain -> outcomes, in one padded call."""
+    """p_flat [sum(1 + k_b), vocab] and uniforms [1 + k_b] per chain -> outcomes, in one padded call;
+    positional [B] marks the one-hot chains judged position by position."""
     if not proposals:
         return []
     device, vocab_size = p_flat.device, p_flat.shape[-1]
@@ -168,7 +186,7 @@ def _accept_sampled_chains(
         q = flat_q.new_zeros(batch_size, max_drafts, vocab_size)  # [B, k_max, vocab]
         q[draft_session, draft_column] = flat_q
     num_offered = torch.tensor(num_drafts, device=device)  # [B]
-    outcome = verify_sampled_batch(draft, q, p, u, num_draft_tokens=num_offered)
+    outcome = verify_sampled_batch(draft, q, p, u, num_draft_tokens=num_offered, positional=positional)
     num_accepted, final_ids = torch.stack([outcome.num_accepted, outcome.final_token_ids]).tolist()  # one sync
     return [
         VerifyOutcome(

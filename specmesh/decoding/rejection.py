@@ -34,6 +34,15 @@ p the sampling rule reduces to exactly this, but `verify_greedy` needs only the 
 Randomness: one uniform per draft token for its test, plus one for the final token, drawn up front
 from the request's generator (always k + 1 draws, so the stream stays aligned across outcomes).
 
+One-hot drafts (q = None: greedy or n-gram drafters) are judged position by position instead: at
+position i the target samples y_i from p_i by inverse CDF with the position's uniform, x_i is
+accepted iff y_i == x_i, and at the first mismatch y_i is the final token. That is the same exact
+rule (P(accept) = p_i(x_i); a rejection emits y ~ p_i given y != x_i, which is the residual
+norm(max(0, p_i - onehot(x_i)))), and it reads exactly the uniforms plain decoding would read: one
+per emitted token, in order. `draw_positional_uniforms` / `keep_used_uniforms` leave the generator
+exactly num_accepted + 1 draws on, so a seeded speculative run with a deterministic drafter emits
+the very tokens of plain decoding with the same seed, whatever k and whatever is accepted.
+
 Worked example (q = None, i.e. an n-gram draft; vocab of 3):
     >>> import torch
     >>> p = torch.tensor([[0.0, 1.0, 0.0],    # p_0: the target is sure of token 1
@@ -92,9 +101,14 @@ def verify_sampled(
     """
     k = len(draft_ids)
     draft = torch.as_tensor(list(draft_ids), dtype=torch.long, device=p.device).reshape(1, k)
-    uniforms = draw_uniforms(1, k, generator, p.device)
-    batch = verify_sampled_batch(draft, None if q is None else q[None], p[None], uniforms)
+    if q is None:
+        uniforms, state = draw_positional_uniforms(k, generator, p.device)
+    else:
+        uniforms, state = draw_uniforms(1, k, generator, p.device)[0], None
+    batch = verify_sampled_batch(draft, None if q is None else q[None], p[None], uniforms[None])
     num_accepted = int(batch.num_accepted[0])
+    if state is not None:
+        keep_used_uniforms(generator, state, num_accepted + 1, p.device)
     return VerifyOutcome(
         accepted_nodes=list(range(num_accepted)),
         accepted_token_ids=[int(t) for t in draft_ids[:num_accepted]],
@@ -108,12 +122,33 @@ def draw_uniforms(batch_size: int, k: int, generator: torch.Generator, device: t
     return torch.rand(batch_size, k + 1, generator=generator, device=device, dtype=torch.float64)
 
 
+def draw_positional_uniforms(k: int, generator: torch.Generator,
+                             device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[k + 1] float64 uniforms for a one-hot draft, drawn one at a time as plain decoding draws them,
+    and the generator's state before them (None when k = 0: the one draw is always used)."""
+    state = generator.get_state() if k else None
+    uniforms = [torch.rand(1, generator=generator, device=device, dtype=torch.float64) for _ in range(k + 1)]
+    return torch.cat(uniforms), state
+
+
+def keep_used_uniforms(generator: torch.Generator, state: torch.Tensor | None, num_used: int,
+                       device: torch.device | str) -> None:
+    """Rewind the generator to `state` and redraw the `num_used` uniforms a positional verification
+    read, so the stream goes on exactly where plain decoding's would."""
+    if state is None:
+        return
+    generator.set_state(state)
+    for _ in range(num_used):
+        torch.rand(1, generator=generator, device=device, dtype=torch.float64)
+
+
 def verify_sampled_batch(
     draft_ids: torch.Tensor,
     q: torch.Tensor | None,
     p: torch.Tensor,
     uniforms: torch.Tensor,
     num_draft_tokens: torch.Tensor | None = None,
+    positional: torch.Tensor | None = None,
 ) -> BatchVerifyOutcome:
     """Speculative sampling of B sequences at once, with the randomness given as uniforms.
 
@@ -126,6 +161,9 @@ def verify_sampled_batch(
     then offers draft_ids[b, :k_b] (later columns are padding, e.g. PLACEHOLDER_TOKEN_ID, and never
     read), p[b, k_b] is its bonus row and uniforms[b, k_b] draws its final token: each row keeps the
     layout of a batch of its own, left-aligned, so its outcome is the one it would get alone.
+
+    positional [B] bool: rows with a one-hot draft judged position by position (module docstring);
+    None = every row when q is None, no row otherwise. Such a row's q (if q is given) is ignored.
     """
     batch_size, k = draft_ids.shape
     _check_chain_shapes(batch_size, k, q, p, uniforms)
@@ -155,7 +193,29 @@ def verify_sampled_batch(
         use_residual = (num_accepted < num_offered) & (residual.sum(dim=-1) > 0)  # [B]
         final_dist = torch.where(use_residual[:, None], residual, final_dist)
     final_ids = sample_with_uniforms(final_dist, uniforms[rows, num_offered])  # normalises implicitly
+    if positional is None:
+        positional = torch.full((batch_size,), q is None, dtype=torch.bool, device=p.device)
+    if bool(positional.any()):
+        num_accepted, final_ids = _judge_positionally(draft, p, uniforms, offered, positional, num_accepted, final_ids)
     return BatchVerifyOutcome(num_accepted=num_accepted, final_token_ids=final_ids)
+
+
+def _judge_positionally(draft: torch.Tensor, p: torch.Tensor, uniforms: torch.Tensor, offered: torch.Tensor,
+                        positional: torch.Tensor, num_accepted: torch.Tensor, final_ids: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positional rule for the rows in `positional`; other rows keep their outcome."""
+    batch_size, k_plus_1, vocab_size = p.shape
+    picked = positional.nonzero().squeeze(-1)  # [P]
+    sampled = sample_with_uniforms(p[picked].reshape(-1, vocab_size), uniforms[picked].reshape(-1))
+    sampled = sampled.reshape(len(picked), k_plus_1)  # [P, k + 1] y_i per position (padding rows unread)
+    k = k_plus_1 - 1
+    matches = (sampled[:, :k] == draft[picked]) & offered[picked]  # [P, k]
+    picked_accepted = matches.long().cumprod(dim=-1).sum(dim=-1)  # [P]
+    num_accepted = num_accepted.clone()
+    final_ids = final_ids.clone()
+    num_accepted[picked] = picked_accepted
+    final_ids[picked] = sampled[torch.arange(len(picked), device=p.device), picked_accepted]
+    return num_accepted, final_ids
 
 
 def _check_chain_shapes(batch_size: int, k: int, q: torch.Tensor | None, p: torch.Tensor, uniforms: torch.Tensor) -> None:

@@ -16,6 +16,16 @@ Worked example (greedy, prompt of 4 tokens, k = 3):
 
 `verify_many` verifies several sessions in ONE ragged engine forward and accepts the whole batch in
 one vectorised call (`specmesh.decoding.acceptance`); `verify` is the batch of one.
+
+Chunked prefill (a long prompt fed in pieces, so a service can run other sessions' rounds between
+them): `begin` makes the session with nothing cached, each `prefill_chunk` caches the next piece (a
+forward that asks for no logits) but never the last prompt token, and the final
+`verify(session, empty proposal)` feeds what is left and samples the first token, as `open` does.
+Prompt of 10 tokens, chunks of 4:
+    begin:                    cached 0
+    prefill_chunk(4):         forward [t0 t1 t2 t3]      cached 4, uncached t4..t9
+    prefill_chunk(4):         forward [t4 t5 t6 t7]      cached 8, uncached t8 t9
+    verify(empty proposal):   forward [t8 t9], sample    cached 9, pending = the first token
 """
 
 from __future__ import annotations
@@ -49,6 +59,11 @@ class TargetSession:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_uncached(self) -> int:
+        """Tokens the next forward feeds before any draft (the pending one last)."""
+        return len(self.token_ids) - self.num_cached
 
 
 def validate_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int | None = None) -> list[int]:
@@ -96,6 +111,26 @@ class TargetVerifier:
                 self.engine.free(session.seq_id)
             raise
         return sessions
+
+    def begin(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> TargetSession:
+        """A new session with its whole prompt uncached and no forward run yet (chunked prefill, module
+        docstring): the caller feeds it with `prefill_chunk` and `verify`, and closes it if a step fails."""
+        prompt = validate_prompt(prompt_ids, self.engine.max_context, self.engine.vocab_size)
+        return TargetSession(self.engine.new_sequence(), params, generator, prompt)
+
+    def prefill_chunk(self, session: TargetSession, max_tokens: int) -> int:
+        """Cache up to `max_tokens` more of the session's uncached tokens, never the last one (the
+        forward that feeds it samples the next token); returns how many stay uncached. A failed
+        forward leaves the session as it was (the engine rolls it back)."""
+        if max_tokens < 1:
+            raise ValueError(f"a prefill chunk needs at least one token, got {max_tokens}")
+        num_fed = min(max_tokens, session.num_uncached - 1)
+        if num_fed > 0:
+            start = session.num_cached
+            self.engine.forward([SeqInput(session.seq_id, session.token_ids[start:start + num_fed], [])])
+            session.num_cached += num_fed
+            session.num_forwards += 1
+        return session.num_uncached
 
     def verify(self, session: TargetSession, proposal: DraftProposal, keep_logits: bool = False) -> VerifyOutcome:
         return self.verify_many([session], [proposal], keep_logits)[0]

@@ -117,3 +117,17 @@ def test_context_window_ends_generation(engines):
     plain = generate(verifier, None, prompt, params)
     assert spec.finish_reason is FinishReason.CONTEXT and spec.token_ids == plain.token_ids
     assert len(prompt) + len(spec.token_ids) == max_context
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("seed", [0, 11])
+def test_seeded_sampling_with_a_deterministic_drafter_equals_plain_sampling(engines, k, seed):
+    """One-hot drafts are judged position by position with the uniforms plain decoding reads, so the
+    tokens are those of plain decoding with the same seed, whatever is accepted (rejection.py)."""
+    verifier = TargetVerifier(engines["target"])
+    params = SamplingParams(temperature=1.5, top_k=0, seed=seed, ignore_eos=True, max_new_tokens=40)
+    for prompt in PROMPTS[:2]:
+        plain = generate(verifier, None, prompt, params)
+        speculative = generate(verifier, PromptLookupDrafter(min_n=1, max_n=3), prompt, params, k_policy=FixedK(k))
+        assert speculative.token_ids == plain.token_ids
+        assert speculative.stats.num_draft_tokens > 0  # drafts were judged, not skipped

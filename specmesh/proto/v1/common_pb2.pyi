@@ -84,8 +84,9 @@ Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 class SamplingParams(_message.Message):
     """How target tokens are chosen. temperature == 0 means greedy (top_k / top_p / seed are ignored).
     The draft and verify sides apply the same processing, so p and q are the *processed* distributions.
-    Every service validates these the same way: NaN, infinite or out-of-range values are
-    INVALID_ARGUMENT (temperature >= 0, top_p in [0, 1], top_k <= vocab).
+    Every service validates these the same way, greedy or not: NaN, infinite or out-of-range values are
+    INVALID_ARGUMENT (temperature >= 0, top_p in [0, 1], top_k <= vocab). Seeds: CPU generators read
+    63 bits, so seeds s and s + 2**63 give the same stream; the server's own picks are below 2**63.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -312,7 +313,9 @@ Global___SpeculationStats: _TypeAlias = SpeculationStats  # noqa: Y015
 
 @_typing.final
 class KvUsage(_message.Message):
-    """The KV cache pool of a service's engine (paged: fixed-size blocks shared by all sessions)."""
+    """The KV cache pool of a service's engine (paged: fixed-size blocks shared by all sessions).
+    The Draft and Stage services fill a session's KV with its first call, not at OpenSession.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -55,12 +55,15 @@ class VerifyOpenSessionResponse(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     first_token_id: _builtins.int
     """the target's token after the prompt"""
     ttl_ms: _builtins.int
     seed: _builtins.int
-    """the target generator's seed (the server's pick when has_seed is false)"""
+    """the target generator's seed (the server's pick when none was set)"""
+    finish_reason: _common_pb2.FinishReason.ValueType
+    """set when the first token already finished the session"""
     def __init__(
         self,
         *,
@@ -68,10 +71,11 @@ class VerifyOpenSessionResponse(_message.Message):
         first_token_id: _builtins.int = ...,
         ttl_ms: _builtins.int = ...,
         seed: _builtins.int = ...,
+        finish_reason: _common_pb2.FinishReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "seed", b"seed", "session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "seed", b"seed", "session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,12 +26,15 @@ if _version_not_supported:
 
 
 class VerifyServiceStub:
-    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
-    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    """Sessions: ids are made by the server (128 random bits, 32 hex characters; an id over 64 characters
+    is INVALID_ARGUMENT) and belong to the principal that opened them; another principal's id answers
+    NOT_FOUND (CloseSession: existed = false), exactly as a made-up id. A session applies the one set of finish rules
     (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
+    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
+    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
     """
 
     def __init__(self, channel):
@@ -83,12 +86,15 @@ class VerifyServiceStub:
 
 
 class VerifyServiceServicer:
-    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
-    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    """Sessions: ids are made by the server (128 random bits, 32 hex characters; an id over 64 characters
+    is INVALID_ARGUMENT) and belong to the principal that opened them; another principal's id answers
+    NOT_FOUND (CloseSession: existed = false), exactly as a made-up id. A session applies the one set of finish rules
     (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
+    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
+    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
     """
 
     def OpenSession(self, request, context):
@@ -107,8 +113,9 @@ class VerifyServiceServicer:
 
     def VerifyBatch(self, request, context):
         """Verify several sessions' drafts in one call (one forward). Every item is validated before any is
-        applied (one malformed item: INVALID_ARGUMENT, nothing applied); an item that fails while being
-        applied (e.g. no KV memory) is answered in its own response's status, the others are applied.
+        applied (one malformed item: INVALID_ARGUMENT; an unknown session: NOT_FOUND; a session twice:
+        INVALID_ARGUMENT; nothing applied); an item that fails while being applied (e.g. no KV memory)
+        is answered in its own response's status, the others are applied.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -201,12 +208,15 @@ def add_VerifyServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class VerifyService:
-    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
-    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    """Sessions: ids are made by the server (128 random bits, 32 hex characters; an id over 64 characters
+    is INVALID_ARGUMENT) and belong to the principal that opened them; another principal's id answers
+    NOT_FOUND (CloseSession: existed = false), exactly as a made-up id. A session applies the one set of finish rules
     (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
+    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
+    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
     """
 
     @staticmethod

@@ -27,12 +27,15 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class VerifyServiceStub:
-    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
-    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    """Sessions: ids are made by the server (128 random bits, 32 hex characters; an id over 64 characters
+    is INVALID_ARGUMENT) and belong to the principal that opened them; another principal's id answers
+    NOT_FOUND (CloseSession: existed = false), exactly as a made-up id. A session applies the one set of finish rules
     (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
+    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
+    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
     """
 
     @_typing.overload
@@ -45,8 +48,9 @@ class VerifyServiceStub:
     """Verify k draft tokens in one target forward (batched with other sessions' calls)."""
     VerifyBatch: _grpc.UnaryUnaryMultiCallable[_verify_pb2.VerifyBatchRequest, _verify_pb2.VerifyBatchResponse]
     """Verify several sessions' drafts in one call (one forward). Every item is validated before any is
-    applied (one malformed item: INVALID_ARGUMENT, nothing applied); an item that fails while being
-    applied (e.g. no KV memory) is answered in its own response's status, the others are applied.
+    applied (one malformed item: INVALID_ARGUMENT; an unknown session: NOT_FOUND; a session twice:
+    INVALID_ARGUMENT; nothing applied); an item that fails while being applied (e.g. no KV memory)
+    is answered in its own response's status, the others are applied.
     """
     Step: _grpc.UnaryUnaryMultiCallable[_verify_pb2.StepRequest, _verify_pb2.StepResponse]
     """Fused mode: the service drafts with its in-process drafter, then verifies, in one RPC."""
@@ -61,12 +65,15 @@ class VerifyServiceStub:
 
 @_typing.type_check_only
 class VerifyServiceAsyncStub(VerifyServiceStub):
-    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
-    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    """Sessions: ids are made by the server (128 random bits, 32 hex characters; an id over 64 characters
+    is INVALID_ARGUMENT) and belong to the principal that opened them; another principal's id answers
+    NOT_FOUND (CloseSession: existed = false), exactly as a made-up id. A session applies the one set of finish rules
     (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
+    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
+    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -76,8 +83,9 @@ class VerifyServiceAsyncStub(VerifyServiceStub):
     """Verify k draft tokens in one target forward (batched with other sessions' calls)."""
     VerifyBatch: _aio.UnaryUnaryMultiCallable[_verify_pb2.VerifyBatchRequest, _verify_pb2.VerifyBatchResponse]  # type: ignore[assignment]
     """Verify several sessions' drafts in one call (one forward). Every item is validated before any is
-    applied (one malformed item: INVALID_ARGUMENT, nothing applied); an item that fails while being
-    applied (e.g. no KV memory) is answered in its own response's status, the others are applied.
+    applied (one malformed item: INVALID_ARGUMENT; an unknown session: NOT_FOUND; a session twice:
+    INVALID_ARGUMENT; nothing applied); an item that fails while being applied (e.g. no KV memory)
+    is answered in its own response's status, the others are applied.
     """
     Step: _aio.UnaryUnaryMultiCallable[_verify_pb2.StepRequest, _verify_pb2.StepResponse]  # type: ignore[assignment]
     """Fused mode: the service drafts with its in-process drafter, then verifies, in one RPC."""
@@ -91,12 +99,15 @@ class VerifyServiceAsyncStub(VerifyServiceStub):
     """What the service serves."""
 
 class VerifyServiceServicer(metaclass=_abc_1.ABCMeta):
-    """Sessions: ids are made by the server (128 random bits) and belong to the principal that opened
-    them; another principal's id answers NOT_FOUND. A session applies the one set of finish rules
+    """Sessions: ids are made by the server (128 random bits, 32 hex characters; an id over 64 characters
+    is INVALID_ARGUMENT) and belong to the principal that opened them; another principal's id answers
+    NOT_FOUND (CloseSession: existed = false), exactly as a made-up id. A session applies the one set of finish rules
     (EOS / stop ids, max_new_tokens, the context window) to every round, reports `finish_reason`, and
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
+    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
+    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
     """
 
     @_abc_1.abstractmethod
@@ -122,8 +133,9 @@ class VerifyServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_verify_pb2.VerifyBatchResponse, _abc.Awaitable[_verify_pb2.VerifyBatchResponse]]:
         """Verify several sessions' drafts in one call (one forward). Every item is validated before any is
-        applied (one malformed item: INVALID_ARGUMENT, nothing applied); an item that fails while being
-        applied (e.g. no KV memory) is answered in its own response's status, the others are applied.
+        applied (one malformed item: INVALID_ARGUMENT; an unknown session: NOT_FOUND; a session twice:
+        INVALID_ARGUMENT; nothing applied); an item that fails while being applied (e.g. no KV memory)
+        is answered in its own response's status, the others are applied.
         """
 
     @_abc_1.abstractmethod
