@@ -12,6 +12,7 @@ import torch
 
 from specmesh.decoding.sampling import SamplingParams, make_generator, to_dense, to_sparse
 from specmesh.decoding.state import FinishReason
+from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.types import SparseProbs
 from specmesh.proto.v1 import common_pb2
 
@@ -162,6 +163,15 @@ def q_dtype_from_pb(value: int) -> torch.dtype:
     if dtype not in Q_DTYPES:
         raise ValueError(f"q travels as float32, float16 or bfloat16, not {value}")
     return dtype
+
+
+def stats_to_pb(stats: SpecStats) -> common_pb2.SpeculationStats:
+    return common_pb2.SpeculationStats(
+        num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
+        accepted_per_position=stats.accepted_per_position, mean_accepted_length=stats.mean_accepted_length,
+        draft_ms=stats.draft_ms, verify_ms=stats.verify_ms, tokens_per_s=stats.tokens_per_s,
+        num_generated_tokens=stats.num_generated_tokens, seed=stats.seed, num_target_forwards=stats.num_target_forwards,
+    )
 
 
 # model info

@@ -58,6 +58,14 @@ class Unavailable(Exception):
     """The service takes no new work right now (it is draining before a shutdown)."""
 
 
+class Downstream(Exception):
+    """A call to another service failed with `code`: passed on to our caller with the same code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (SessionNotFound, grpc.StatusCode.NOT_FOUND),
     (OutOfBlocksError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -71,6 +79,8 @@ CLIENT_ERRORS = (SessionNotFound, ValueError, OutOfBlocksError, Unimplemented, Q
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, Downstream):
+        return exc.code
     for kind, code in _CODES:
         if isinstance(exc, kind):
             return code

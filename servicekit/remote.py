@@ -13,6 +13,7 @@ resent safely (`RETRIES` times): the service answers a resend without advancing 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -44,15 +45,16 @@ class WireCounters:
         self._pending_bytes = 0
 
 
+Metadata = Sequence[tuple[str, str]]  # per-call metadata, e.g. the end user a trusted caller acts for
 RETRIES = 2  # resends of a round whose answer did not arrive
 RETRY_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 
 
-async def call_round(method, request, timeout_s: float, retries: int = RETRIES):
+async def call_round(method, request, timeout_s: float, metadata: Metadata = (), retries: int = RETRIES):
     """A unary round RPC, resent on a lost answer (the request carries its round_index)."""
     for attempt in range(retries + 1):
         try:
-            return await method(request, timeout=timeout_s)
+            return await method(request, timeout=timeout_s, metadata=metadata or None)
         except grpc.aio.AioRpcError as exc:
             if attempt == retries or exc.code() not in RETRY_CODES:
                 raise
@@ -60,23 +62,24 @@ async def call_round(method, request, timeout_s: float, retries: int = RETRIES):
 
 class RemoteVerifier:
     def __init__(self, stub: verify_pb2_grpc.VerifyServiceStub, *, timeout_s: float = 60.0, sparse_q: bool = False,
-                 counters: WireCounters | None = None):
+                 counters: WireCounters | None = None, metadata: Metadata = (), info: TargetInfo | None = None):
         self.stub = stub
+        self.metadata = tuple(metadata) or None
         self.timeout_s = timeout_s
         self.sparse_q = sparse_q
         self.counters = counters or WireCounters()
-        self._info: TargetInfo | None = None
+        self._info = info  # known already (saves a GetInfo), or asked on first use
         self._rounds: dict[str, int] = {}  # session -> rounds done
 
     async def info(self) -> TargetInfo:
         if self._info is None:
-            model = (await self.stub.GetInfo(verify_pb2.VerifyGetInfoRequest(), timeout=self.timeout_s)).model
+            model = (await self.stub.GetInfo(verify_pb2.VerifyGetInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)).model
             self._info = TargetInfo(model.vocab_size, model.max_context_tokens, tuple(model.eos_token_ids))
         return self._info
 
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[str, int]:
         response = await self.stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(
-            prompt_token_ids=list(prompt_ids), sampling=sampling_to_pb(params)), timeout=self.timeout_s)
+            prompt_token_ids=list(prompt_ids), sampling=_token_level(params)), timeout=self.timeout_s, metadata=self.metadata)
         return response.session_id, response.first_token_id
 
     async def verify(self, session_id: str, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
@@ -87,16 +90,27 @@ class RemoteVerifier:
         if proposal.q is not None and proposal.num_tokens:
             vocab_size = (await self.info()).vocab_size
             request.distributions.CopyFrom(distributions_to_pb(proposal.q, proposal.q.dtype, self.sparse_q, vocab_size))
-        response = await call_round(self.stub.Verify, request, self.timeout_s)
+        response = await call_round(self.stub.Verify, request, self.timeout_s, self.metadata or ())
         self._rounds[session_id] = response.round_index + 1
         self.counters.add(request, response)
         self.counters.end_round()
         return outcome_from_pb(response, proposal), FINISH_FROM_PB[response.finish_reason]
 
+    async def step(self, session_id: str, k: int) -> tuple[int, VerifyOutcome, FinishReason | None, float]:
+        """One fused round (the Verify service drafts k tokens itself): (k drafted, outcome, finish, draft ms)."""
+        request = verify_pb2.StepRequest(session_id=session_id, num_draft_tokens=k, round_index=self._rounds.get(session_id, 0))
+        response = await call_round(self.stub.Step, request, self.timeout_s, self.metadata or ())
+        self._rounds[session_id] = response.result.round_index + 1
+        self.counters.add(request, response)
+        self.counters.end_round()
+        drafted = DraftProposal(token_ids=[0] * response.num_draft_tokens)  # a chain of that length, for the outcome
+        return (response.num_draft_tokens, outcome_from_pb(response.result, drafted),
+                FINISH_FROM_PB[response.result.finish_reason], response.draft_ms)
+
     async def close(self, session_id: str) -> None:
         self._rounds.pop(session_id, None)
         await _close_quietly(self.stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id),
-                                                    timeout=self.timeout_s))
+                                                    timeout=self.timeout_s, metadata=self.metadata))
 
 
 @dataclass(frozen=True)
@@ -108,11 +122,13 @@ class RemoteDraftSession:
 
 class RemoteDrafter:
     def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, *, q_dtype: torch.dtype = torch.float32,
-                 sparse_q: bool = False, timeout_s: float = 60.0, counters: WireCounters | None = None):
+                 sparse_q: bool = False, timeout_s: float = 60.0, counters: WireCounters | None = None,
+                 metadata: Metadata = ()):
         if q_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"q travels as float32, float16 or bfloat16, not {q_dtype}")
         self.stub = stub
         self.q_dtype = q_dtype
+        self.metadata = tuple(metadata) or None
         self.sparse_q = sparse_q
         self.timeout_s = timeout_s
         self.counters = counters or WireCounters()
@@ -120,10 +136,10 @@ class RemoteDrafter:
 
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> RemoteDraftSession:
         if self._vocab_size is None:
-            info = await self.stub.GetInfo(draft_pb2.DraftGetInfoRequest(), timeout=self.timeout_s)
+            info = await self.stub.GetInfo(draft_pb2.DraftGetInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
             self._vocab_size = info.model.vocab_size
         response = await self.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
-            prompt_token_ids=list(prompt_ids), sampling=sampling_to_pb(params)), timeout=self.timeout_s)
+            prompt_token_ids=list(prompt_ids), sampling=_token_level(params)), timeout=self.timeout_s, metadata=self.metadata)
         return RemoteDraftSession(response.session_id, needs_q=not params.is_greedy)
 
     async def propose(self, session: RemoteDraftSession, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
@@ -131,7 +147,7 @@ class RemoteDrafter:
             session_id=session.session_id, accepted_token_ids=list(accepted_since_last), num_draft_tokens=max_tokens,
             return_distributions=session.needs_q, sparse_distributions=self.sparse_q,
             distributions_dtype=PB_BY_TORCH[self.q_dtype], round_index=session.rounds[0])
-        response = await call_round(self.stub.Propose, request, self.timeout_s)
+        response = await call_round(self.stub.Propose, request, self.timeout_s, self.metadata or ())
         session.rounds[0] = response.round_index + 1
         self.counters.add(request, response)
         token_ids = token_ids_from_pb(response.draft_token_ids, self._vocab_size, "draft_token_ids")
@@ -142,7 +158,7 @@ class RemoteDrafter:
 
     async def close(self, session: RemoteDraftSession) -> None:
         await _close_quietly(self.stub.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=session.session_id),
-                                                    timeout=self.timeout_s))
+                                                    timeout=self.timeout_s, metadata=self.metadata))
 
 
 def outcome_from_pb(response: verify_pb2.VerifyResponse, proposal: DraftProposal) -> VerifyOutcome:
@@ -160,6 +176,12 @@ def outcome_from_pb(response: verify_pb2.VerifyResponse, proposal: DraftProposal
         bonus = num_accepted == proposal.num_tokens
     return VerifyOutcome(nodes, tokens[:num_accepted], tokens[num_accepted],
                          FinalTokenKind.BONUS if bonus else FinalTokenKind.RECOVERED)
+
+
+def _token_level(params: SamplingParams):
+    """The params a service gets: stop strings stay with the driver, which decodes text (the
+    services work on token ids and refuse them)."""
+    return sampling_to_pb(dataclasses.replace(params, stop=[]) if params.stop else params)
 
 
 async def _close_quietly(call) -> None:

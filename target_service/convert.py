@@ -5,9 +5,8 @@ from __future__ import annotations
 from servicekit.convert import FINISH_TO_PB, distributions_from_pb, token_ids_from_pb
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.state import FinishReason
-from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.types import VerifyOutcome
-from specmesh.proto.v1 import common_pb2, verify_pb2
+from specmesh.proto.v1 import verify_pb2
 
 
 def proposal_from_pb(request: verify_pb2.VerifyRequest, vocab_size: int) -> DraftProposal:
@@ -26,13 +25,4 @@ def verify_response(session_id: str, outcome: VerifyOutcome, is_tree: bool, batc
         session_id=session_id, num_accepted_tokens=outcome.num_accepted, accepted_token_ids=outcome.token_ids,
         accepted_tree_nodes=outcome.accepted_nodes if is_tree else [], batch_size=batch_size, verify_ms=verify_ms,
         finish_reason=FINISH_TO_PB[finish],
-    )
-
-
-def stats_to_pb(stats: SpecStats) -> common_pb2.SpeculationStats:
-    return common_pb2.SpeculationStats(
-        num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
-        accepted_per_position=stats.accepted_per_position, mean_accepted_length=stats.mean_accepted_length,
-        draft_ms=stats.draft_ms, verify_ms=stats.verify_ms, tokens_per_s=stats.tokens_per_s,
-        num_generated_tokens=stats.num_generated_tokens, seed=stats.seed, num_target_forwards=stats.num_target_forwards,
     )

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from servicekit.convert import FINISH_TO_PB, kv_usage_pb, model_info_pb, sampling_from_pb, token_ids_from_pb
+from servicekit.convert import FINISH_TO_PB, kv_usage_pb, model_info_pb, sampling_from_pb, stats_to_pb, token_ids_from_pb
 from servicekit.errors import FailedPrecondition, Unimplemented, message_for, rpc_method, status_for
 from servicekit.metrics import ServiceMetrics
 from servicekit.session_service import STATE_PRESERVING_ERRORS, SessionService
@@ -24,7 +24,7 @@ from specmesh.decoding.verifier import TargetSession, TargetVerifier, validate_p
 from specmesh.models.engine import ContextLengthError
 from specmesh.proto.v1 import verify_pb2, verify_pb2_grpc
 from target_service.batcher import VerifyBatcher, VerifyResult
-from target_service.convert import proposal_from_pb, stats_to_pb, verify_response
+from target_service.convert import proposal_from_pb, verify_response
 from target_service.options import VerifyOptions
 from target_service.sessions import FusedDraft, VerifySession
 

@@ -50,6 +50,14 @@ class AsyncVerifier(Protocol):
     async def close(self, session: Any) -> None: ...
 
 
+class AsyncStepper(AsyncVerifier, Protocol):
+    """A verifier that also drafts (fused mode: the Verify service hosts the drafter)."""
+
+    async def step(self, session: Any, k: int) -> tuple[int, VerifyOutcome, FinishReason | None, float]:
+        """Draft k tokens and verify them in one call: (tokens drafted, outcome, finish verdict, draft ms)."""
+        ...
+
+
 class AsyncDrafter(Protocol):
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> Any: ...
 
@@ -66,14 +74,18 @@ async def speculative_stream_async(
     *,
     k_policy: KPolicy | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
+    fused: bool = False,
 ) -> AsyncIterator[StepEvent]:
-    """Speculative decoding with remote parts (plain decoding on the verifier when `drafter` is None)."""
+    """Speculative decoding with remote parts (plain decoding on the verifier when `drafter` is None).
+    `fused`: the verifier is an `AsyncStepper` that drafts itself; `drafter` must be None."""
+    if fused and drafter is not None:
+        raise ValueError("fused mode drafts on the verifier: pass no drafter")
     info = await verifier.info()
     seed = make_generator(params.seed)[1]
     params = dataclasses.replace(params, seed=seed)
     state = SpeculationState(
         params, num_prompt_tokens=len(prompt_ids), max_context=info.max_context, eos_token_ids=info.eos_token_ids,
-        k_policy=k_policy, has_drafter=drafter is not None, decode=decode, prompt_ids=prompt_ids, seed=seed,
+        k_policy=k_policy, has_drafter=drafter is not None or fused, decode=decode, prompt_ids=prompt_ids, seed=seed,
         vocab_size=info.vocab_size,
     )
     start = time.perf_counter()
@@ -85,6 +97,14 @@ async def speculative_stream_async(
             draft_state = await drafter.open(prompt_ids, params)
         while not state.finished:
             k = state.next_k()
+            if fused and k:
+                start = time.perf_counter()
+                num_drafted, outcome, their_finish, draft_ms = await verifier.step(session, k)  # type: ignore[attr-defined]
+                verify_ms = (time.perf_counter() - start) * 1e3 - draft_ms
+                event = state.record(num_drafted, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms)
+                _check_agreement(state, their_finish)
+                yield event
+                continue
             proposal, draft_ms = DraftProposal(token_ids=[]), 0.0
             if drafter is not None:
                 start = time.perf_counter()
@@ -94,14 +114,18 @@ async def speculative_stream_async(
             outcome, their_finish = await verifier.verify(session, proposal)
             verify_ms = (time.perf_counter() - start) * 1e3
             event = state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms)
-            if their_finish is not None and not state.finished:
-                raise RuntimeError(f"the verifier finished the session ({their_finish.value}) before the driver did: "
-                                   "their sampling params or model limits differ")
+            _check_agreement(state, their_finish)
             yield event
     finally:
         await verifier.close(session)
         if drafter is not None and draft_state is not None:
             await drafter.close(draft_state)
+
+
+def _check_agreement(state: SpeculationState, their_finish: FinishReason | None) -> None:
+    if their_finish is not None and not state.finished:
+        raise RuntimeError(f"the verifier finished the session ({their_finish.value}) before the driver did: "
+                           "their sampling params or model limits differ")
 
 
 async def generate_async(

@@ -87,6 +87,10 @@ class ReplicaSet:
         self._end(replica)
         self.router.on_finish(replica, latency_s, num_tokens)
 
+    def release(self, replica: Replica) -> None:
+        """A session ended without a measurement to learn from (refused, cancelled early)."""
+        self._end(replica)
+
     def fail(self, replica: Replica) -> None:
         """A session ended because the replica failed: it leaves the in-flight count and goes out."""
         self._end(replica)

@@ -264,6 +264,9 @@ class SpeculationStats(_message.Message):
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     NUM_TARGET_FORWARDS_FIELD_NUMBER: _builtins.int
+    DRAFTER_FIELD_NUMBER: _builtins.int
+    NUM_FAILOVERS_FIELD_NUMBER: _builtins.int
+    FAILOVERS_FIELD_NUMBER: _builtins.int
     num_drafts: _builtins.int
     """verify rounds that had at least one draft token"""
     num_draft_tokens: _builtins.int
@@ -284,9 +287,17 @@ class SpeculationStats(_message.Message):
     """the seed that was used"""
     num_target_forwards: _builtins.int
     """target forward passes this request took part in"""
+    drafter: _builtins.str
+    """the drafter that finished the request ("" = none: target only)"""
+    num_failovers: _builtins.int
+    """times a failed service was replaced mid-request"""
     @_builtins.property
     def accepted_per_position(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[max k] accepted count at draft position i"""
+
+    @_builtins.property
+    def failovers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """what each failover did, e.g. "draft -> ngram", "verify a -> b" """
 
     def __init__(
         self,
@@ -302,10 +313,13 @@ class SpeculationStats(_message.Message):
         num_generated_tokens: _builtins.int = ...,
         seed: _builtins.int = ...,
         num_target_forwards: _builtins.int = ...,
+        drafter: _builtins.str = ...,
+        num_failovers: _builtins.int = ...,
+        failovers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_per_position", b"accepted_per_position", "draft_ms", b"draft_ms", "mean_accepted_length", b"mean_accepted_length", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_drafts", b"num_drafts", "num_generated_tokens", b"num_generated_tokens", "num_target_forwards", b"num_target_forwards", "seed", b"seed", "tokens_per_s", b"tokens_per_s", "verify_ms", b"verify_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_per_position", b"accepted_per_position", "draft_ms", b"draft_ms", "drafter", b"drafter", "failovers", b"failovers", "mean_accepted_length", b"mean_accepted_length", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_drafts", b"num_drafts", "num_failovers", b"num_failovers", "num_generated_tokens", b"num_generated_tokens", "num_target_forwards", b"num_target_forwards", "seed", b"seed", "tokens_per_s", b"tokens_per_s", "verify_ms", b"verify_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

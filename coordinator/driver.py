@@ -1,0 +1,240 @@
+"""One request's session with the services, and how it survives their failures.
+
+The round is `specmesh.decoding.state`, stepped by `specmesh.decoding.async_driver`; this module
+supplies the verifier and drafter it steps, as failover wrappers over the gRPC adapters of
+`servicekit.remote`:
+
+- `FailoverVerifier` opens the session on a Verify replica the router picks (`ServicePool`). If that
+  replica dies mid-request (UNAVAILABLE, the session lost, ...), the session is re-opened on another
+  from the prompt and every token emitted so far: the new replica's first token is the round's final
+  token (the round's draft is dropped, as if all of it were rejected), so the stream goes on with
+  no token repeated or lost. The new session gets the tokens left of max_new_tokens and a seed
+  derived from the request's (a fresh stream: re-reading the first one would correlate positions).
+  No replica left: `NoHealthyReplica`, answered UNAVAILABLE.
+- `FailoverDrafter` drafts on a Draft replica; if it fails, the request goes on with prompt-lookup
+  n-gram drafts made here, from the whole context (exact: a deterministic draft). Both say so in
+  `failovers`, which the final stats report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from coordinator.pools import ServicePool
+from servicekit.remote import Metadata, RemoteDrafter, RemoteDraftSession, RemoteVerifier
+from specmesh.decoding.async_driver import TargetInfo
+from specmesh.decoding.proposal import DraftProposal
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.state import FinishReason
+from specmesh.decoding.types import FinalTokenKind, VerifyOutcome
+from specmesh.drafters.ngram import PromptLookupDrafter, PromptLookupIndex
+from specmesh.proto.v1 import draft_pb2_grpc, verify_pb2_grpc
+from specmesh.routing.replica import NoHealthyReplica, Replica
+
+log = logging.getLogger("specmesh.coordinator")
+
+# codes that indict the replica (or lose the session on it), not the request
+REPLICA_FAILURES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
+})
+FAILOVER_SEED_STRIDE = 0x9E3779B97F4A7C15  # a new stream per failover: seed + n * stride (mod 2**63)
+
+
+def replica_failed(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in REPLICA_FAILURES
+
+
+@dataclass
+class Failovers:
+    """What replaced what during one request (reported in its stats)."""
+
+    events: list[str] = field(default_factory=list)
+
+    def add(self, what: str) -> None:
+        log.warning("failover: %s", what)
+        self.events.append(what)
+
+
+@dataclass
+class Calls:
+    """How a request calls the services: per-call deadline and metadata (the end user it acts for)."""
+
+    timeout_s: float
+    metadata: Metadata = ()
+
+
+@dataclass
+class VerifyHandle:
+    replica: Replica
+    remote: RemoteVerifier
+    session_id: str
+    emitted: list[int]  # every token the target emitted for this request (the pending one last)
+    opened_s: float = field(default_factory=time.perf_counter)
+
+
+class FailoverVerifier:
+    """An `AsyncStepper` over the Verify replicas of `pool` (module docstring)."""
+
+    def __init__(self, pool: ServicePool, info: TargetInfo, calls: Calls, failovers: Failovers, sparse_q: bool = False):
+        self.pool = pool
+        self._info = info
+        self.calls = calls
+        self.failovers = failovers
+        self.sparse_q = sparse_q
+        self._prompt: list[int] = []
+        self._params: SamplingParams | None = None
+
+    async def info(self) -> TargetInfo:
+        return self._info
+
+    async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[VerifyHandle, int]:
+        self._prompt, self._params = list(prompt_ids), params
+        replica, remote, session_id, first = await self._open_somewhere(self._prompt, params)
+        return VerifyHandle(replica, remote, session_id, [first]), first
+
+    async def verify(self, handle: VerifyHandle, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
+        try:
+            outcome, finish = await handle.remote.verify(handle.session_id, proposal)
+        except grpc.aio.AioRpcError as exc:
+            if not replica_failed(exc):
+                raise
+            return await self._reopen(handle), None
+        handle.emitted.extend(outcome.token_ids)
+        return outcome, finish
+
+    async def step(self, handle: VerifyHandle, k: int) -> tuple[int, VerifyOutcome, FinishReason | None, float]:
+        try:
+            num_drafted, outcome, finish, draft_ms = await handle.remote.step(handle.session_id, k)
+        except grpc.aio.AioRpcError as exc:
+            if not replica_failed(exc):
+                raise
+            return k, await self._reopen(handle), None, 0.0
+        handle.emitted.extend(outcome.token_ids)
+        return num_drafted, outcome, finish, draft_ms
+
+    async def close(self, handle: VerifyHandle) -> None:
+        await handle.remote.close(handle.session_id)
+        self.pool.release(handle.replica, time.perf_counter() - handle.opened_s, len(handle.emitted))
+
+    async def _reopen(self, handle: VerifyHandle) -> VerifyOutcome:
+        """The session's replica failed: the same sequence on another one; its first token ends the round."""
+        assert self._params is not None
+        failed = handle.replica
+        self.pool.fail(failed)
+        params = dataclasses.replace(
+            self._params, max_new_tokens=self._params.max_new_tokens - len(handle.emitted),
+            seed=((self._params.seed or 0) + (len(self.failovers.events) + 1) * FAILOVER_SEED_STRIDE) % 2**63)
+        replica, remote, session_id, first = await self._open_somewhere([*self._prompt, *handle.emitted], params)
+        self.failovers.add(f"verify {failed.id} -> {replica.id}")
+        handle.replica, handle.remote, handle.session_id = replica, remote, session_id
+        handle.emitted.append(first)
+        return VerifyOutcome(accepted_nodes=[], accepted_token_ids=[], final_token_id=first,
+                             final_kind=FinalTokenKind.RECOVERED)
+
+    async def _open_somewhere(self, prompt: list[int], params: SamplingParams) -> tuple[Replica, RemoteVerifier, str, int]:
+        """Open on the router's choice, moving on past replicas that fail; NoHealthyReplica at the end."""
+        while True:
+            replica = self.pool.acquire()
+            remote = RemoteVerifier(verify_pb2_grpc.VerifyServiceStub(self.pool.channel(replica)), timeout_s=self.calls.timeout_s,
+                                    sparse_q=self.sparse_q, metadata=self.calls.metadata, info=self._info)
+            try:
+                session_id, first = await remote.open(prompt, params)
+                return replica, remote, session_id, first
+            except grpc.aio.AioRpcError as exc:
+                if not replica_failed(exc):
+                    self.pool.replicas.release(replica)
+                    raise
+                self.pool.fail(replica)
+            except BaseException:
+                self.pool.replicas.release(replica)
+                raise
+
+
+@dataclass
+class DraftHandle:
+    context: list[int]  # the prompt and every token accepted since (what a local drafter needs)
+    params: SamplingParams
+    replica: Replica | None = None
+    remote: RemoteDrafter | None = None
+    remote_session: RemoteDraftSession | None = None
+    local: PromptLookupIndex | None = None
+    opened_s: float = field(default_factory=time.perf_counter)
+
+
+class FailoverDrafter:
+    """An `AsyncDrafter`: the Draft replicas of `pool` when `use_service`, else (or once they fail)
+    prompt-lookup n-grams drafted here."""
+
+    def __init__(self, pool: ServicePool | None, calls: Calls, failovers: Failovers, *, use_service: bool,
+                 q_dtype: torch.dtype = torch.float32, sparse_q: bool = False,
+                 ngram: Callable[[], PromptLookupDrafter] = PromptLookupDrafter):
+        self.pool = pool if use_service else None
+        self.calls = calls
+        self.failovers = failovers
+        self.q_dtype = q_dtype
+        self.sparse_q = sparse_q
+        self.ngram = ngram()
+        self.current = "draft-service" if self.pool else "ngram"  # the drafter drafting now (for the stats)
+
+    async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftHandle:
+        handle = DraftHandle(list(prompt_ids), params)
+        if not self.pool:
+            return handle
+        try:
+            handle.replica = self.pool.acquire()
+        except NoHealthyReplica:
+            self.failovers.add("draft (no healthy replica) -> ngram")
+            self.current = "ngram"
+            return handle
+        handle.remote = RemoteDrafter(draft_pb2_grpc.DraftServiceStub(self.pool.channel(handle.replica)), q_dtype=self.q_dtype,
+                                      sparse_q=self.sparse_q, timeout_s=self.calls.timeout_s, metadata=self.calls.metadata)
+        try:
+            handle.remote_session = await handle.remote.open(prompt_ids, params)
+        except grpc.aio.AioRpcError as exc:
+            if not replica_failed(exc):
+                self._drop_remote(handle, failed=False)
+                raise
+            self._fall_back(handle)
+        return handle
+
+    async def propose(self, handle: DraftHandle, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
+        handle.context.extend(accepted_since_last)
+        if handle.remote is not None and handle.remote_session is not None:
+            try:
+                return await handle.remote.propose(handle.remote_session, accepted_since_last, max_tokens)
+            except grpc.aio.AioRpcError as exc:
+                if not replica_failed(exc):
+                    raise
+                self._fall_back(handle)
+        if handle.local is None:
+            handle.local = self.ngram.open(handle.context)
+            return self.ngram.propose(handle.local, [], max_tokens, handle.params, None)  # type: ignore[arg-type]
+        return self.ngram.propose(handle.local, accepted_since_last, max_tokens, handle.params, None)  # type: ignore[arg-type]
+
+    async def close(self, handle: DraftHandle) -> None:
+        if handle.remote is not None and handle.remote_session is not None:
+            await handle.remote.close(handle.remote_session)
+        if handle.replica is not None and self.pool:
+            self.pool.release(handle.replica, time.perf_counter() - handle.opened_s, len(handle.context))
+
+    def _fall_back(self, handle: DraftHandle) -> None:
+        failed = handle.replica
+        self._drop_remote(handle, failed=True)
+        self.failovers.add(f"draft {failed.id if failed else '?'} -> ngram")
+        self.current = "ngram"
+
+    def _drop_remote(self, handle: DraftHandle, failed: bool) -> None:
+        if handle.replica is not None and self.pool:
+            if failed:
+                self.pool.fail(handle.replica)
+            else:
+                self.pool.replicas.release(handle.replica)
+        handle.replica, handle.remote, handle.remote_session = None, None, None

@@ -1,0 +1,30 @@
+"""Coordinator options (flags / YAML keys), on top of every service's server options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servicekit.options import ServerOptions
+
+MODES = ("speculative", "fused", "autoregressive")
+DRAFTERS = ("service", "ngram")
+
+
+@dataclass
+class CoordinatorOptions(ServerOptions):
+    port: int = 50050
+    model: str = "default"  # where the tokenizer and chat template come from (the target's spec)
+    draft_addresses: str = ""  # Draft service replicas, comma-separated host:port ("" = none: n-gram drafts)
+    verify_addresses: str = "127.0.0.1:50052"  # Verify service replicas, comma-separated host:port
+    router: str = "jsq2"  # replica choice at session open: round_robin | jsq2 | weighted_jsq (specmesh.routing)
+    default_mode: str = "speculative"  # speculative | fused | autoregressive
+    default_drafter: str = "service"  # speculative mode: service (the Draft service) | ngram (in the coordinator)
+    default_max_new_tokens: int = 256
+    q_dtype: str = "float32"  # how draft distributions travel: float32 | float16 | bfloat16
+    sparse_q: bool = False  # send only q's support
+    call_timeout_s: float = 60.0  # deadline of each downstream call
+    health_interval_s: float = 1.0  # downstream health checks
+    downstream_token_file: str = ""  # a file holding the token this coordinator presents downstream
+    downstream_tls_ca: str = ""  # PEM roots for downstream TLS ("" = plaintext)
+    downstream_client_cert: str = ""  # mTLS client certificate toward the services
+    downstream_client_key: str = ""

@@ -1,0 +1,81 @@
+"""create_server(options) -> (handle, port): the tokenizer, the downstream pools, the Coordinator service."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+
+from coordinator.options import DRAFTERS, MODES, CoordinatorOptions
+from coordinator.pools import ServicePool, parse_addresses
+from coordinator.servicer import CoordinatorServicer
+from servicekit.channels import DEFAULT_OPTIONS, open_channel
+from servicekit.metrics import ServiceMetrics
+from servicekit.server import ServiceHandle, start_service
+from specmesh.decoding.async_driver import TargetInfo
+from specmesh.proto.v1 import verify_pb2, verify_pb2_grpc
+
+SERVICE_NAME = "specmesh.v1.CoordinatorService"
+INFO_WAIT_S = 60.0  # how long to wait for a Verify replica to answer GetInfo at start
+
+
+def _check(options: CoordinatorOptions) -> None:
+    if options.default_mode not in MODES:
+        raise ValueError(f"unknown default_mode {options.default_mode!r}; choose one of {', '.join(MODES)}")
+    if options.default_drafter not in DRAFTERS:
+        raise ValueError(f"unknown default_drafter {options.default_drafter!r}; choose one of {', '.join(DRAFTERS)}")
+    if options.q_dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"q_dtype must be float32, float16 or bfloat16, got {options.q_dtype!r}")
+    if not parse_addresses(options.verify_addresses):
+        raise ValueError("the coordinator needs at least one Verify service (--verify-addresses host:port)")
+
+
+def _channel_factory(options: CoordinatorOptions):
+    token = Path(options.downstream_token_file).read_text().strip() if options.downstream_token_file else ""
+
+    def open_downstream(address: str) -> grpc.aio.Channel:
+        return open_channel(address, tls_ca=options.downstream_tls_ca, client_cert=options.downstream_client_cert,
+                            client_key=options.downstream_client_key, token=token, options=DEFAULT_OPTIONS)
+
+    return open_downstream
+
+
+async def target_info(pool: ServicePool, deadline_s: float) -> TargetInfo:
+    """The target's vocab, context and EOS ids, from the first Verify replica that answers."""
+    last_error: Exception | None = None
+    while time.monotonic() < deadline_s:
+        for replica in pool.replicas.replicas:
+            try:
+                model = (await verify_pb2_grpc.VerifyServiceStub(pool.channel(replica)).GetInfo(
+                    verify_pb2.VerifyGetInfoRequest(), timeout=2.0)).model
+                return TargetInfo(model.vocab_size, model.max_context_tokens, tuple(model.eos_token_ids))
+            except grpc.aio.AioRpcError as exc:
+                last_error = exc
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"no Verify service answered GetInfo: {last_error}")
+
+
+async def create_server(options: CoordinatorOptions) -> tuple[ServiceHandle, int]:
+    from transformers import AutoTokenizer
+
+    from specmesh.models.resolve import resolve_model_spec
+
+    _check(options)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_spec(options.model))
+    open_downstream = _channel_factory(options)
+    verify = ServicePool("verify", parse_addresses(options.verify_addresses), options.router, open_downstream)
+    draft = ServicePool("draft", parse_addresses(options.draft_addresses), options.router, open_downstream)
+    info = await target_info(verify, time.monotonic() + INFO_WAIT_S)
+    metrics = ServiceMetrics("coordinator")
+    servicer = CoordinatorServicer(options, tokenizer, info, verify, draft, metrics)
+    for pool in (verify, draft):
+        pool.start_health_checks(options.health_interval_s)
+
+    async def close_pools() -> None:
+        await verify.close()
+        await draft.close()
+
+    handle = await start_service(options, metrics, servicer, [SERVICE_NAME], on_stop=[close_pools])
+    return handle, handle.port

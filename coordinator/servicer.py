@@ -1,0 +1,148 @@
+"""CoordinatorService: the user-facing Generate stream, driven over the Draft and Verify services.
+
+Each request is one `speculative_stream_async` (the one speculation state) over the failover
+wrappers of `coordinator.driver`. Many requests run at once as asyncio tasks; their Verify calls
+meet in the Verify service's batcher (one target forward for the sessions whose calls arrive
+together) and their Propose calls in the Draft service's. The Coordinator authenticates its callers
+(the server edge) and calls downstream on their behalf: with its own credentials and the caller as
+`specmesh-end-user`, so session ownership and quotas downstream are per end user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier
+from coordinator.options import DRAFTERS, CoordinatorOptions
+from coordinator.pools import ServicePool
+from servicekit.auth import ANONYMOUS, END_USER_KEY, current_principal
+from servicekit.convert import FINISH_TO_PB, sampling_from_pb, stats_to_pb
+from servicekit.errors import Downstream, Unavailable, Unimplemented, rpc_method
+from servicekit.metrics import ServiceMetrics
+from specmesh.decoding.adaptive import FixedK
+from specmesh.decoding.async_driver import TargetInfo, speculative_stream_async
+from specmesh.decoding.stats import SpecStats
+from specmesh.decoding.verifier import validate_prompt
+from specmesh.models.chat import chat_messages_ids
+from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from specmesh.routing.replica import NoHealthyReplica
+
+MODES = {
+    coordinator_pb2.GENERATION_MODE_UNSPECIFIED: None,
+    coordinator_pb2.GENERATION_MODE_SPECULATIVE: "speculative",
+    coordinator_pb2.GENERATION_MODE_FUSED: "fused",
+    coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE: "autoregressive",
+}
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    def __init__(self, options: CoordinatorOptions, tokenizer, info: TargetInfo, verify: ServicePool, draft: ServicePool,
+                 metrics: ServiceMetrics):
+        import torch
+
+        self.options = options
+        self.tokenizer = tokenizer
+        self.info = info
+        self.verify = verify
+        self.draft = draft
+        self.metrics = metrics
+        self.q_dtype = getattr(torch, options.q_dtype)
+        self.totals = SpecStats()
+        self.num_requests = self.num_active = self.num_failed = self.num_failovers = 0
+        self.num_generated_tokens = 0
+
+    @property
+    def max_context(self) -> int:
+        return self.info.max_context
+
+    def _prompt_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("input")
+        if which == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                raise ValueError("chat needs at least one message")
+            ids = chat_messages_ids(self.tokenizer, messages)
+        elif which == "prompt":
+            ids = list(self.tokenizer.encode(request.prompt, add_special_tokens=False))
+        else:
+            raise ValueError("a GenerateRequest needs a prompt or chat messages")
+        return validate_prompt(ids, self.info.max_context, self.info.vocab_size)
+
+    def _mode_and_drafter(self, request: coordinator_pb2.GenerateRequest) -> tuple[str, str]:
+        if request.mode == coordinator_pb2.GENERATION_MODE_SKELETON:
+            raise Unimplemented("Skeleton-of-Thought mode is not served yet")
+        if request.mode not in MODES:
+            raise ValueError(f"unknown generation mode {request.mode}")
+        mode = MODES[request.mode] or self.options.default_mode
+        drafter = request.drafter or self.options.default_drafter
+        if drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        return mode, drafter
+
+    def _calls(self, context) -> Calls:
+        remaining = context.time_remaining() if context is not None else None
+        timeout_s = self.options.call_timeout_s if remaining is None else max(0.001, min(self.options.call_timeout_s, remaining))
+        principal = current_principal()
+        return Calls(timeout_s, [(END_USER_KEY, principal)] if principal != ANONYMOUS else [])
+
+    @rpc_method
+    async def Generate(self, request: coordinator_pb2.GenerateRequest, context):
+        mode, drafter_kind = self._mode_and_drafter(request)
+        prompt_ids = self._prompt_ids(request)
+        params = sampling_from_pb(request.sampling, self.info.vocab_size, self.options.default_max_new_tokens)
+        calls, failovers = self._calls(context), Failovers()
+        verifier = FailoverVerifier(self.verify, self.info, calls, failovers, sparse_q=self.options.sparse_q)
+        drafter = None
+        if mode == "speculative":
+            drafter = FailoverDrafter(self.draft, calls, failovers, use_service=drafter_kind == "service" and bool(self.draft),
+                                      q_dtype=self.q_dtype, sparse_q=self.options.sparse_q)
+        k_policy = FixedK(request.num_draft_tokens) if request.num_draft_tokens and mode != "autoregressive" else None
+        stream = speculative_stream_async(verifier, drafter, prompt_ids, params, k_policy=k_policy, decode=self._decode,
+                                          fused=mode == "fused")
+        self.num_requests += 1
+        self.num_active += 1
+        finished = False
+        try:
+            async for event in stream:
+                response = coordinator_pb2.GenerateResponse(text=event.text, token_ids=event.token_ids, branch_id=-1)
+                if event.finish_reason is not None:
+                    finished = True
+                    response.finish_reason = FINISH_TO_PB[event.finish_reason]
+                    response.stats.CopyFrom(self._final_stats(event.stats, mode, drafter, failovers))
+                yield response
+        except NoHealthyReplica as exc:
+            raise Unavailable(f"no healthy replica: {exc}") from exc
+        except grpc.aio.AioRpcError as exc:
+            raise Downstream(exc.code(), f"downstream: {exc.details()}") from exc
+        finally:
+            await stream.aclose()
+            self.num_active -= 1
+            self.num_failovers += len(failovers.events)
+            if not finished:
+                self.num_failed += 1
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def _final_stats(self, stats: SpecStats | None, mode: str, drafter: FailoverDrafter | None,
+                     failovers: Failovers) -> common_pb2.SpeculationStats:
+        if stats is None:
+            return common_pb2.SpeculationStats()
+        self.totals.merge(stats)
+        self.num_generated_tokens += stats.num_generated_tokens
+        pb = stats_to_pb(stats)
+        pb.drafter = drafter.current if drafter is not None else ("fused" if mode == "fused" else "")
+        pb.num_failovers = len(failovers.events)
+        pb.failovers.extend(failovers.events)
+        return pb
+
+    @rpc_method
+    async def GetStats(self, request, context) -> coordinator_pb2.GetStatsResponse:
+        replicas = [coordinator_pb2.ReplicaStatus(kind=pool.kind, address=r.id, healthy=r.healthy, in_flight=r.num_in_flight)
+                    for pool in (self.draft, self.verify) for r in pool.replicas.replicas]
+        return coordinator_pb2.GetStatsResponse(
+            num_requests=self.num_requests, num_generated_tokens=self.num_generated_tokens, totals=stats_to_pb(self.totals),
+            num_active_requests=self.num_active, num_failed_requests=self.num_failed, num_failovers=self.num_failovers,
+            replicas=replicas)

@@ -1,0 +1,231 @@
+"""The Coordinator over live Draft and Verify services (in-process, loopback, ports at run time):
+exact greedy output in every mode, seeded sampling equal to the in-process run, many streams at
+once batched by the Verify service, failover of a dead draft and a dead verify replica with no token
+repeated or lost, UNAVAILABLE when no verify replica is left. Tiny random models."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from client.wire_loop import channel
+from coordinator.options import CoordinatorOptions
+from coordinator.server import create_server as create_coordinator
+from draft_service.options import DraftOptions
+from draft_service.server import create_server as create_draft
+from servicekit.background import BackgroundServices
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.speculative import generate
+from specmesh.decoding.verifier import TargetVerifier
+from specmesh.drafters.ngram import PromptLookupDrafter
+from specmesh.models.load import load_engine
+from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from target_service.options import VerifyOptions
+from target_service.server import create_server as create_verify
+
+TIMEOUT_S = 60
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+MODES = {"speculative": coordinator_pb2.GENERATION_MODE_SPECULATIVE, "fused": coordinator_pb2.GENERATION_MODE_FUSED,
+         "autoregressive": coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return str(tiny_model_dir("llama", init_std=0.2))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target)
+
+
+def _reference(target: str, tokenizer, prompt: str, params: SamplingParams, drafter=None) -> list[int]:
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return generate(TargetVerifier(load_engine(target, dtype="float64")), drafter, ids, params).token_ids
+
+
+def _request(prompt: str, mode: str, drafter: str = "", k: int = 0, **sampling) -> coordinator_pb2.GenerateRequest:
+    sampling = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 40, **sampling}
+    return coordinator_pb2.GenerateRequest(prompt=prompt, mode=MODES[mode], drafter=drafter, num_draft_tokens=k,
+                                           sampling=common_pb2.SamplingParams(**sampling))
+
+
+async def _collect(address: str, request) -> tuple[list[int], coordinator_pb2.GenerateResponse]:
+    async with channel(address) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        tokens, last = [], None
+        async for response in stub.Generate(request, timeout=TIMEOUT_S):
+            tokens += response.token_ids
+            last = response
+        return tokens, last
+
+
+class Cluster:
+    """Verify replicas, a Draft service and a Coordinator over them, started in the test's loop thread."""
+
+    def __init__(self, target: str, num_verify: int = 1):
+        self.services = BackgroundServices()
+        common = dict(model=target, dtype="float64", port=0)
+        self.verify = [self.services.start(create_verify(VerifyOptions(**common, batch_window_ms=5.0, max_kv_tokens=16384)))
+                       for _ in range(num_verify)]
+        self.draft = self.services.start(create_draft(DraftOptions(model=target, dtype="float64", port=0)))
+        self.coordinator = self.services.start(create_coordinator(CoordinatorOptions(
+            model=target, port=0, health_interval_s=0.2,
+            verify_addresses=",".join(f"127.0.0.1:{h.port}" for h in self.verify),
+            draft_addresses=f"127.0.0.1:{self.draft.port}")))
+        self.address = f"127.0.0.1:{self.coordinator.port}"
+
+    def stop(self, handle) -> None:
+        self.services.stop(handle)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.services.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(target):
+    with Cluster(target) as c:
+        yield c
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+@pytest.mark.parametrize("mode,drafter,k", [("speculative", "service", 4), ("speculative", "ngram", 3), ("speculative", "service", 0),
+                                            ("fused", "", 3), ("autoregressive", "", 0)])
+def test_greedy_through_the_coordinator_equals_target_only(cluster, target, tokenizer, mode, drafter, k):
+    tokens, last = _run(_collect(cluster.address, _request(PROMPT, mode, drafter, k)))
+    assert tokens == _reference(target, tokenizer, PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=40))
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last.stats.num_generated_tokens == 40 and last.stats.num_failovers == 0
+    if mode != "autoregressive":
+        assert last.stats.num_draft_tokens > 0
+    assert last.stats.drafter == {"speculative": drafter, "fused": "fused", "autoregressive": ""}[mode].replace(
+        "service", "draft-service")
+
+
+def test_seeded_sampling_equals_the_in_process_run(cluster, target, tokenizer):
+    params = SamplingParams(temperature=1.2, seed=7, ignore_eos=True, max_new_tokens=30)
+    tokens, _ = _run(_collect(cluster.address, _request(PROMPT, "speculative", "ngram", 3, temperature=1.2, seed=7,
+                                                         max_new_tokens=30)))
+    # n-gram drafts are deterministic: the seeded speculative run equals plain sampling (rejection.py)
+    assert tokens == _reference(target, tokenizer, PROMPT, params)
+    assert tokens == _reference(target, tokenizer, PROMPT, params, PromptLookupDrafter(min_n=1, max_n=4))
+
+
+def test_text_and_chat_and_stop_strings(cluster, tokenizer):
+    request = coordinator_pb2.GenerateRequest(
+        chat=coordinator_pb2.ChatMessages(messages=[coordinator_pb2.ChatMessage(role="user", content="Name a capital.")]),
+        sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))
+
+    async def main():
+        async with channel(cluster.address) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            return [r async for r in stub.Generate(request, timeout=TIMEOUT_S)]
+
+    responses = _run(main())
+    tokens = [t for r in responses for t in r.token_ids]
+    assert "".join(r.text for r in responses) == tokenizer.decode(tokens, skip_special_tokens=True)
+    text = "".join(r.text for r in responses)
+    stop = text[len(text) // 2:][:3]
+    if stop.strip():
+        request.sampling.stop.append(stop)
+        cut = _run(main())
+        assert cut[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        assert "".join(r.text for r in cut) == text[:text.index(stop)]  # the stop string itself is not sent
+
+
+def test_concurrent_streams_are_exact_and_batched(cluster, target, tokenizer):
+    prompts = [f"{PROMPT} {i}" for i in range(16)]
+    engine = cluster.verify[0].servicer.engine
+    forwards_before = engine.stats.num_forwards
+    sessions_before = engine.stats.num_sequences_forwarded
+
+    async def main():
+        return await asyncio.gather(*(_collect(cluster.address, _request(p, "speculative", "ngram", 3, max_new_tokens=20))
+                                      for p in prompts))
+
+    results = _run(main())
+    params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=20)
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == _reference(target, tokenizer, prompt, params)
+    forwards = engine.stats.num_forwards - forwards_before
+    sessions = engine.stats.num_sequences_forwarded - sessions_before
+    assert sessions / forwards > 1.5, f"{sessions} sessions in {forwards} forwards: no batching"
+
+
+def test_bad_requests_get_clear_codes(cluster):
+    async def code(request) -> grpc.StatusCode:
+        try:
+            await _collect(cluster.address, request)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    assert _run(code(coordinator_pb2.GenerateRequest())) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _run(code(_request(PROMPT, "speculative", "bogus"))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _run(code(_request(PROMPT, "speculative", top_p=float("nan"), temperature=1.0))) == grpc.StatusCode.INVALID_ARGUMENT
+    skeleton = coordinator_pb2.GenerateRequest(prompt=PROMPT, mode=coordinator_pb2.GENERATION_MODE_SKELETON)
+    assert _run(code(skeleton)) == grpc.StatusCode.UNIMPLEMENTED
+
+
+def _stream_with_failure(cluster: Cluster, request, kill, after_tokens: int = 10):
+    """Stream `request`; once `after_tokens` arrived, run `kill()` (in a thread: it stops a service)."""
+    async def main():
+        async with channel(cluster.address) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            tokens, last, killed = [], None, False
+            async for response in stub.Generate(request, timeout=TIMEOUT_S):
+                tokens += response.token_ids
+                last = response
+                if not killed and len(tokens) >= after_tokens:
+                    killed = True
+                    await asyncio.to_thread(kill)
+            return tokens, last
+
+    return _run(main())
+
+
+def test_a_dead_draft_service_falls_back_and_the_output_stays_exact(target, tokenizer):
+    with Cluster(target) as c:
+        request = _request(PROMPT, "speculative", "service", 2, max_new_tokens=60)
+        tokens, last = _stream_with_failure(c, request, lambda: c.stop(c.draft))
+        assert tokens == _reference(target, tokenizer, PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=60))
+        assert last.stats.drafter == "ngram" and last.stats.num_failovers == 1
+        assert last.stats.failovers[0].startswith("draft ")
+        again, last = _run(_collect(c.address, request))  # later requests: no draft replica, n-gram from the start
+        assert again == tokens and last.stats.drafter == "ngram"
+
+
+def test_a_dead_verify_replica_moves_the_stream_with_no_token_lost(target, tokenizer):
+    with Cluster(target, num_verify=2) as c:
+        request = _request(PROMPT, "speculative", "ngram", 3, max_new_tokens=60)
+        used: list = []
+
+        def kill_the_busy_one() -> None:
+            busy = next(h for h in c.verify if h.servicer.num_sessions)
+            used.append(busy)
+            c.stop(busy)
+
+        tokens, last = _stream_with_failure(c, request, kill_the_busy_one)
+        assert tokens == _reference(target, tokenizer, PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=60))
+        assert last.stats.num_failovers == 1 and last.stats.failovers[0].startswith("verify ")
+        # the last one down: UNAVAILABLE, within the deadline
+        c.stop(next(h for h in c.verify if h is not used[0]))
+
+        async def code() -> grpc.StatusCode:
+            try:
+                await asyncio.wait_for(_collect(c.address, request), 20)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        assert _run(code()) == grpc.StatusCode.UNAVAILABLE
