@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         v_addr = f"127.0.0.1:{verify.port}"
         if not args.prefill_scenario:
             run_main_scenarios(services, folder, tokenizer, verify, out)
-        out["prefill"] = prefill_scenario(services, folder, tokenizer, v_addr)
+        if not os.environ.get("SPECMESH_BENCH_SKIP_PREFILL"):  # (before/after runs of the other scenarios)
+            out["prefill"] = prefill_scenario(services, folder, tokenizer, v_addr)
     results.mkdir(parents=True, exist_ok=True)
     (results / "services.json").write_text(json.dumps(out, indent=2))
     text = render_markdown(out)

@@ -19,7 +19,7 @@ import torch
 from draft_service.convert import propose_response
 from draft_service.options import DraftOptions
 from servicekit.batching import WindowBatcher
-from servicekit.convert import kv_usage_pb, model_info_pb, q_dtype_from_pb, sampling_from_pb, token_ids_from_pb
+from servicekit.convert import DEFAULT_MAX_NEW_TOKENS, kv_usage_pb, model_info_pb, q_dtype_from_pb, sampling_from_pb, token_ids_from_pb
 from servicekit.errors import Unimplemented, rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.rounds import RoundLog
@@ -118,7 +118,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
     @rpc_method
     async def OpenSession(self, request: draft_pb2.DraftOpenSessionRequest, context) -> draft_pb2.DraftOpenSessionResponse:
         prompt = validate_prompt(request.prompt_token_ids, self.max_context, self.vocab_size)
-        params = sampling_from_pb(request.sampling, self.vocab_size)
+        params = sampling_from_pb(request.sampling, self.vocab_size, self.quotas.default_max_new_tokens(DEFAULT_MAX_NEW_TOKENS))
         self.quotas.check_prompt(len(prompt))
         self.quotas.check_max_new_tokens(params.max_new_tokens)
         generator, _ = make_generator(draft_seed(params.seed), self.drafter.device)

@@ -71,6 +71,11 @@ class Quotas:
         if limit and num_tokens > limit:
             raise _refuse("tokens appended by one Propose", num_tokens, limit, "quota_propose_tokens")
 
+    def default_max_new_tokens(self, default: int) -> int:
+        """What a request that sets no max_new_tokens gets: the service default, within the quota."""
+        limit = self.options.quota_max_new_tokens
+        return min(default, limit) if limit else default
+
     def check_max_new_tokens(self, max_new_tokens: int) -> None:
         limit = self.options.quota_max_new_tokens
         if limit and max_new_tokens > limit:

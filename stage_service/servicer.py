@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import time
 
-from servicekit.convert import distributions_from_pb, kv_usage_pb, model_info_pb, sampling_from_pb, token_ids_from_pb
+from servicekit.convert import (
+    DEFAULT_MAX_NEW_TOKENS,
+    distributions_from_pb,
+    kv_usage_pb,
+    model_info_pb,
+    sampling_from_pb,
+    token_ids_from_pb,
+)
 from servicekit.errors import rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.session_service import SessionService
@@ -34,7 +41,8 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
     @rpc_method
     async def OpenSession(self, request, context) -> stage_pb2.StageOpenSessionResponse:
         prompt = validate_prompt(request.prompt_token_ids, self.engine.max_context, self.engine.vocab_size)
-        params = sampling_from_pb(request.sampling, self.engine.vocab_size)
+        params = sampling_from_pb(request.sampling, self.engine.vocab_size,
+                                  self.quotas.default_max_new_tokens(DEFAULT_MAX_NEW_TOKENS))
         self.quotas.check_prompt(len(prompt))
         self.quotas.check_max_new_tokens(params.max_new_tokens)
         generator, seed = make_generator(params.seed, self.engine.device)

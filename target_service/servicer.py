@@ -57,7 +57,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
 
     def _sampling(self, pb) -> SamplingParams:
         """A request's sampling params, validated, within this principal's max_new_tokens quota."""
-        params = sampling_from_pb(pb, self.vocab_size, self.options.default_max_new_tokens)
+        params = sampling_from_pb(pb, self.vocab_size, self.quotas.default_max_new_tokens(self.options.default_max_new_tokens))
         self.quotas.check_max_new_tokens(params.max_new_tokens)
         return params
 

@@ -304,3 +304,38 @@ def test_quotas_are_per_principal(services):
             servicer.quotas.options = QuotaOptions()
 
     _run(main())
+
+
+def test_quotas_over_the_wire_name_the_limit_and_spare_other_principals(target, tmp_path):
+    """Tokens for alice, bob and a trusted coordinator; one session each: alice's second is refused,
+    bob's first is not, and behind the coordinator each end user has a quota of their own."""
+    import yaml
+
+    from servicekit.channels import open_channel
+
+    tokens = {"alice": "a-secret", "bob": "b-secret", "coordinator": "c-secret"}
+    token_file = tmp_path / "tokens.yaml"
+    token_file.write_text(yaml.safe_dump(tokens))
+    options = VerifyOptions(model=target, dtype="float32", port=0, auth_token_file=str(token_file),
+                            trusted_callers="coordinator", quota_sessions=1, quota_max_new_tokens=100)
+    with BackgroundServices() as background:
+        address = f"127.0.0.1:{background.start(create_verify(options)).port}"
+
+        def open_as(token: str, end_user: str = "", **sampling) -> grpc.StatusCode | str:
+            with open_channel(address, token=token, end_user=end_user, aio=False) as ch:
+                try:
+                    return verify_pb2_grpc.VerifyServiceStub(ch).OpenSession(verify_pb2.VerifyOpenSessionRequest(
+                        prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(temperature=0, **sampling)),
+                        timeout=TIMEOUT_S).session_id
+                except grpc.RpcError as exc:
+                    assert "quota exceeded" in exc.details() and "--quota-" in exc.details()
+                    return exc.code()
+
+        exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert isinstance(open_as(tokens["alice"]), str)
+        assert open_as(tokens["alice"]) == exhausted  # names --quota-sessions
+        assert isinstance(open_as(tokens["bob"]), str)  # alice's use does not count against bob
+        assert open_as(tokens["bob"], max_new_tokens=500) == exhausted  # names --quota-max-new-tokens
+        assert isinstance(open_as(tokens["coordinator"], "carol"), str)  # end users behind the coordinator ...
+        assert isinstance(open_as(tokens["coordinator"], "dave"), str)  # ... each have their own quota
+        assert open_as(tokens["coordinator"], "carol") == exhausted
