@@ -10,18 +10,28 @@ few rows by the same weights and should cost little more. MKL's sgemm (plain `F.
   every call; prepacked, one call reads it once: measured on a 576 -> 49k matrix, fp32 1 row 4.1 ms
   (same), 5 rows 3.5 ms (was 6.2), 9 rows 4.4 ms (was 7.2); bf16 1 row 2.0 ms (was 3.3). So verifying
   k + 1 <= 9 tokens costs about one decode step. The packing hint is `ONEDNN_PACK_ROWS` rows.
-- `int8`: dynamic int8 (per-output-channel weights, activations quantized per call), CPU float32 input.
+- `int8-dynamic`: dynamic int8 (per-output-channel weights, activations quantized per call), CPU
+  float32 input. Fast, but NOT batch-invariant (one activation scale per call: k + 1 rows verified
+  together get other numbers than one at a time), so only for drafters.
+Low-bit weight-only layers (a `QuantWeight`) get `QuantLinear` (specmesh/models/lowbit), which is
+batch-invariant; `make_linear` / `fused_linear` pick the class from the weight.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-KERNELS = ("plain", "onednn", "int8")
+from specmesh.models.lowbit.qlinear import QuantLinear
+from specmesh.models.lowbit.qweight import QuantWeight, can_concatenate, concatenate
+
+WeightLike = torch.Tensor | QuantWeight
+
+KERNELS = ("plain", "onednn", "int8-dynamic")
 ONEDNN_PACK_ROWS = 8  # rows the blocked layout is tuned for: verify-sized calls (1 + k tokens)
 
 
@@ -41,7 +51,7 @@ class Linear:
         self.weight: torch.Tensor | None = weight.contiguous()
         self.bias = None if bias is None else bias.contiguous()
         self._packed: Any = None  # oneDNN blocked weight or fbgemm packed int8 params
-        if kernel == "int8":
+        if kernel == "int8-dynamic":
             self._packed = _pack_int8(self.weight, self.bias)
             self.weight = None  # only the int8 copy is kept
         elif kernel == "onednn":
@@ -50,7 +60,7 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
-        if self.kernel == "int8":
+        if self.kernel == "int8-dynamic":
             return self.out_features * self.in_features
         if self.kernel == "onednn":
             return self.out_features * self.in_features * self._packed.element_size()
@@ -59,7 +69,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        if self.kernel == "int8":
+        if self.kernel == "int8-dynamic":
             return self._int8(x)
         return F.linear(x, self._plain_weight(), self.bias)
 
@@ -79,3 +89,38 @@ def _pack_int8(weight: torch.Tensor, bias: torch.Tensor | None):
         warnings.simplefilter("ignore")
         qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
     return torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
+
+
+class ConcatLinear:
+    """Several layers over one input, outputs side by side: a fused q/k/v or gate/up whose parts
+    cannot share one matrix (a GGUF may store attn_v in Q6_K and attn_q in Q4_K)."""
+
+    def __init__(self, parts: Sequence[Linear | QuantLinear]):
+        self.parts = list(parts)
+        self.out_features: int = sum(p.out_features for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def make_linear(weight: WeightLike, bias: torch.Tensor | None, kernel: str) -> Linear | QuantLinear:
+    """QuantLinear for a QuantWeight, else Linear with `kernel`."""
+    if isinstance(weight, QuantWeight):
+        return QuantLinear(weight, bias)
+    return Linear(weight, bias, kernel)
+
+
+def fused_linear(weights: Sequence[WeightLike], biases: Sequence[torch.Tensor] | None, kernel: str) -> Linear | QuantLinear | ConcatLinear:
+    """One layer computing the given layers' outputs concatenated (q/k/v, gate/up)."""
+    bias = None if biases is None else torch.cat(list(biases))
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return Linear(torch.cat(list(weights)), bias, kernel)  # type: ignore[arg-type]
+    quantized = [w for w in weights if isinstance(w, QuantWeight)]
+    if len(quantized) == len(weights) and can_concatenate(quantized):
+        return QuantLinear(concatenate(quantized), bias)
+    parts_bias = [None] * len(weights) if biases is None else list(biases)
+    return ConcatLinear([make_linear(w, b, kernel) for w, b in zip(weights, parts_bias)])

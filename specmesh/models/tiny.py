@@ -66,14 +66,15 @@ def _train_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, num_layers: int = 2):
-    """A small config of `family` (one of FAMILIES). GQA everywhere it exists (4 heads, 2 kv heads)."""
+def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, num_layers: int = 2, hidden_size: int = 64):
+    """A small config of `family` (one of FAMILIES). GQA everywhere it exists (4 heads, 2 kv heads);
+    `hidden_size` 256 gives rows K-quant blocks (256 inputs) can hold."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -117,6 +118,7 @@ def make_tiny_model(
     seed: int = 0,
     num_layers: int = 2,
     init_std: float = 0.02,
+    hidden_size: int = 64,
 ) -> Path:
     """Write a random `family` model + tokenizer to `path` and return it.
 
@@ -128,7 +130,7 @@ def make_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(TINY_VOCAB_SIZE)
-    config = tiny_config(family, vocab_size=len(tokenizer), num_layers=num_layers)
+    config = tiny_config(family, vocab_size=len(tokenizer), num_layers=num_layers, hidden_size=hidden_size)
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

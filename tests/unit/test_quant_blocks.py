@@ -1,0 +1,122 @@
+"""Low-bit block formats: our K-quant writers against gguf's dequantization, the QuantWeight numbers
+against the format's, and the fused kernel's rows against one-row calls (bit for bit)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specmesh.models.lowbit.blocks import FORMATS, dequantize, from_ggml, quantize, quantize_weight
+from specmesh.models.lowbit.gguf_file import hf_name, unpermute_rows
+from specmesh.models.lowbit.kernel import fused_matmul, library, reference_matmul
+from specmesh.models.lowbit.qlinear import QuantLinear
+from specmesh.models.lowbit.quantize import format_for, quantize_checkpoint
+from specmesh.models.lowbit.qweight import concatenate
+
+ALL_FORMATS = list(FORMATS)
+
+
+def _weight(rows=48, cols=512, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=generator)
+    w[0] = 0.0  # an all-zero row: zero scales must not divide by zero
+    w[1] = w[1].abs() + 0.5  # all positive: Q4_K's min clamps at 0
+    return w
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_quant_weight_equals_the_formats_dequantization(fmt):
+    w = _weight()
+    rows = quantize(w, fmt)
+    expected = dequantize(rows, fmt)  # gguf's reference dequantization of the bytes
+    got = from_ggml(rows, fmt).dequantize()
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("fmt,max_rel_error", [("q4_0", 0.2), ("q4_1", 0.12), ("q8_0", 0.01), ("q4_k", 0.15), ("q6_k", 0.04)])
+def test_round_trip_error_is_small(fmt, max_rel_error):
+    w = _weight()
+    error = (quantize_weight(w, fmt).dequantize() - w).abs().max(dim=1).values
+    assert (error <= max_rel_error * w.abs().max(dim=1).values + 1e-6).all()
+
+
+def test_k_quant_block_sizes_and_errors():
+    assert quantize(_weight(cols=512), "q4_k").shape == (48, 2 * 144)
+    assert quantize(_weight(cols=512), "q6_k").shape == (48, 2 * 210)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize(_weight(cols=96), "q4_k")
+    assert format_for("q4_k", 96) == "q4_1" and format_for("q6_k", 96) == "q8_0" and format_for("q4_1", 48) is None
+
+
+def test_quantized_bytes_use_fewer_bits():
+    w = _weight(cols=1024)
+    bits = {fmt: quantize_weight(w, fmt).nbytes * 8 / w.numel() for fmt in ALL_FORMATS}
+    assert bits["q4_1"] == 5.0 and bits["q4_0"] == 5.0 and bits["q8_0"] == 8.5  # float16 scales (and offsets)
+    assert bits["q4_k"] == 6.0 and bits["q6_k"] == 10.0  # float32 scales: exact products d * sc
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_rows_are_bit_identical_whatever_the_batch(fmt):
+    if library() is None:
+        pytest.skip("no C++ compiler: the fallback is only invariant up to rounding")
+    layer = QuantLinear(quantize_weight(_weight(rows=40, cols=512), fmt), torch.randn(40))
+    x = torch.randn(19, 512, generator=torch.Generator().manual_seed(1))
+    together = layer(x)
+    for start, size in [(0, 1), (3, 5), (8, 9), (17, 2)]:
+        assert torch.equal(layer(x[start : start + size]), together[start : start + size])
+    assert torch.allclose(together, reference_matmul(x, layer.weight) + layer.bias, atol=1e-4)
+
+
+def test_fused_kernel_matches_reference_on_odd_shapes():
+    if library() is None:
+        pytest.skip("no C++ compiler")
+    weight = quantize_weight(_weight(rows=7, cols=96), "q4_1")  # 7 outputs: uneven thread chunks
+    x = torch.randn(3, 96)
+    got = fused_matmul(x, weight)
+    assert got is not None and torch.allclose(got, reference_matmul(x, weight), atol=1e-5)
+
+
+def test_torch_fallback_without_a_compiler(monkeypatch):
+    import specmesh.models.lowbit.kernel as kernel
+
+    layer = QuantLinear(quantize_weight(_weight(rows=16, cols=64), "q4_0"), None)
+    x = torch.randn(5, 64)
+    compiled = layer(x)
+    monkeypatch.setattr(kernel, "library", lambda: None)
+    assert fused_matmul(x, layer.weight) is None
+    assert torch.allclose(layer(x), compiled, atol=1e-5)
+
+
+def test_concatenate_mixes_scale_precisions():
+    a, b = quantize_weight(_weight(rows=8), "q4_1"), quantize_weight(_weight(rows=4, seed=2), "q4_k")
+    both = concatenate([a, b])
+    assert both.scales.dtype == torch.float32 and both.source == "q4_1+q4_k"
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+
+
+def test_quantize_checkpoint_picks_formats():
+    tensors = {
+        "model.embed_tokens.weight": _weight(rows=10, cols=256),
+        "model.layers.0.self_attn.q_proj.weight": _weight(rows=8, cols=256),
+        "model.layers.0.mlp.down_proj.weight": _weight(rows=8, cols=64),
+        "model.layers.0.input_layernorm.weight": torch.ones(256),
+    }
+    out = quantize_checkpoint(tensors, "q4_k", tie_word_embeddings=True)
+    assert out["model.embed_tokens.weight"].source == "q6_k"  # the tied vocab projection gets more bits
+    assert out["model.layers.0.self_attn.q_proj.weight"].source == "q4_k"
+    assert out["model.layers.0.mlp.down_proj.weight"].source == "q4_1"  # 64 inputs: no K-quant block fits
+    assert isinstance(out["model.layers.0.input_layernorm.weight"], torch.Tensor)
+    with pytest.raises(ValueError, match="unknown quantization kind"):
+        quantize_checkpoint(tensors, "int3", tie_word_embeddings=True)
+
+
+def test_gguf_names_and_unpermute():
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("blk.0.unknown.weight") is None
+    assert unpermute_rows(4, 1).tolist() == [0, 2, 1, 3]
+    num_heads, head_dim = 3, 8
+    permute = np.arange(num_heads * head_dim).reshape(num_heads, 2, head_dim // 2).swapaxes(1, 2).reshape(-1)  # llama.cpp
+    assert torch.equal(torch.from_numpy(permute)[unpermute_rows(num_heads * head_dim, num_heads)], torch.arange(num_heads * head_dim))
