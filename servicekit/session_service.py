@@ -98,8 +98,9 @@ class SessionService:
                 del self._reserved[principal]
 
     def check_kv_quota(self, extra_tokens: int) -> None:
-        """Before a round that grows the caller's KV by `extra_tokens`."""
-        self.quotas.check_kv(self.holdings(), extra_tokens)
+        """Before a round that grows the caller's KV by `extra_tokens` (free without a KV quota)."""
+        if self.quotas.options.quota_kv_tokens:
+            self.quotas.check_kv(self.holdings(), extra_tokens)
 
     async def add_session(self, session: Any) -> str:
         """Register a session whose engine state exists, owned by the caller; frees it if refused."""
