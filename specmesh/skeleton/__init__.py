@@ -1,0 +1,16 @@
+"""Skeleton-of-Thought (Ning et al. 2024): plan first, then write the plan's points in parallel.
+
+One concept per file; none of them touches a model, a session or a socket (the coordinator drives them):
+- router.py    SoT or plain decoding for a question (rules with reasons; a request can override)
+- prompts.py   the skeleton prompt and each point's prompt, as chat messages
+- automaton.py the skeleton format as a bounded byte-level DFA
+- tokens.py    token id -> the bytes it adds (byte-level BPE, SentencePiece)
+- grammar.py   the DFA over a vocabulary: exact allowed-token masks per state, applied to p and q
+- parse.py     skeleton text -> Skeleton(points) or Direct(text, reason)
+- schedule.py  which points start when (LPT, max_parallel, dependencies), events in, launches out
+- tools.py     <Search>: BM25 passages from the request's documents
+- merge.py     the answer: points in plan order, title + text, markers stripped
+
+Glossary: a *point* is one line of the plan (id, est_tokens, tool, deps, title); a *branch* decodes
+one point's text; a point's *dependencies* are points whose text it needs first.
+"""
