@@ -47,7 +47,7 @@ bench: install model
 demo: install model
 	$(PY) -m client.demo
 
-# start every service of $(CONFIG) as its own process; Ctrl-C stops them all
+# start every process of $(CONFIG) (services, replicas, the coordinator), wait for health, serve; Ctrl-C stops them all
 run-cluster: install model
 	$(PY) -m client.cluster --config $(CONFIG)
 

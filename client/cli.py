@@ -1,28 +1,139 @@
-"""`specmesh` command line.
+"""`specmesh` command line: talks to the Coordinator (`make run-cluster` starts one on 127.0.0.1:50050).
 
-    specmesh generate "Explain rainbows." [--model default] [--drafter bf16|int8|ngram|none]
-                      [--max-new-tokens 128] [--temperature 0] [--top-k 0] [--top-p 1] [--seed N]
-                      [--num-draft-tokens 0 (adaptive)] [--stop STR ...] [--raw]
+    specmesh generate "Explain rainbows." [--mode speculative|fused|autoregressive] [--drafter service|ngram]
+                      [--k N (0 = adaptive)] [--temperature 0] [--top-k 0] [--top-p 1] [--seed N]
+                      [--max-new-tokens 128] [--stop STR ...] [--raw] [--json]
+    specmesh generate "..." --local [--model default] [--drafter bf16|int8|ngram|none]   # in-process, no services
+    specmesh chat                    # interactive; /help lists the commands
+    specmesh bench --concurrency 1 4 16 --requests 32 --out bench-out
+    specmesh health [ADDRESS ...] [--config configs/local.yaml]
+    specmesh stats [--json]
+Every command but `generate --local` takes --address (default $SPECMESH_ADDRESS or 127.0.0.1:50050),
+--tls-ca, --client-cert / --client-key and --token / --token-file (default $SPECMESH_TOKEN).
+Exit codes: 0 done, 1 the request failed, 2 bad arguments, 3 the coordinator cannot be reached,
+130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import os
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
-from client.local import DRAFTERS
+from client.coordinator_client import DRAFTERS, MODES, CoordinatorClient, CoordinatorError, Generation, GenerationStats
 
-
-def _sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+DEFAULT_ADDRESS = "127.0.0.1:50050"
+LOCAL_DRAFTERS = ("none", "ngram", "bf16", "int8")
+USAGE_CODES = ("INVALID_ARGUMENT", "OUT_OF_RANGE")
 
 
-def _generate(args) -> int:
+def connection_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    group = parser.add_argument_group("connection")
+    group.add_argument("--address", default=os.environ.get("SPECMESH_ADDRESS", DEFAULT_ADDRESS),
+                       help="the coordinator's host:port (default $SPECMESH_ADDRESS or %(default)s)")
+    group.add_argument("--tls-ca", default="", help="PEM roots: speak TLS to the coordinator")
+    group.add_argument("--client-cert", default="", help="PEM client certificate (mTLS), with --client-key")
+    group.add_argument("--client-key", default="")
+    tokens = group.add_mutually_exclusive_group()
+    tokens.add_argument("--token", default=os.environ.get("SPECMESH_TOKEN", ""), help="bearer token (default $SPECMESH_TOKEN)")
+    tokens.add_argument("--token-file", default="", help="a file holding the bearer token")
+    return parser
+
+
+def sampling_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    group = parser.add_argument_group("generation")
+    group.add_argument("--mode", default="", choices=[m for m in MODES if m], help="default: the coordinator's")
+    group.add_argument("--drafter", default=None,
+                       help="speculative mode: service | ngram (default: the coordinator's); --local: " + " | ".join(LOCAL_DRAFTERS))
+    group.add_argument("--k", "--num-draft-tokens", dest="k", type=int, default=0, help="draft tokens per round; 0 = adaptive")
+    group.add_argument("--max-new-tokens", type=int, default=128)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-k", type=int, default=0, help="0 = off")
+    group.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--timeout-s", type=float, default=600.0, help="deadline of one generation")
+    return parser
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """`CoordinatorClient.generate` keywords from the generation flags."""
+    return dict(mode=args.mode, drafter=args.drafter or "", k=args.k, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+                timeout_s=args.timeout_s)
+
+
+def make_client(args: argparse.Namespace) -> CoordinatorClient:
+    """A client for the connection flags (call inside the event loop that will use it)."""
+    token = Path(args.token_file).read_text().strip() if args.token_file else args.token
+    return CoordinatorClient(args.address, tls_ca=args.tls_ca, client_cert=args.client_cert, client_key=args.client_key,
+                             token=token)
+
+
+def explain(error: CoordinatorError) -> tuple[str, int]:
+    """One line for the user and the exit code."""
+    where = f"the coordinator at {error.address}"
+    if error.unreachable:
+        return (f"cannot reach {where} ({error.details}); start it with `make run-cluster` "
+                "or point --address at a running one", EXIT_UNREACHABLE)
+    if error.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return f"{where} refused the credentials ({error.code}: {error.details}); see --token / --token-file", EXIT_FAILED
+    if error.code == "UNIMPLEMENTED":
+        return f"{where} does not support this yet: {error.details}", EXIT_FAILED
+    if error.code == "DEADLINE_EXCEEDED":
+        return f"no answer from {where} within the deadline (--timeout-s): {error.details}", EXIT_FAILED
+    return f"{where} answered {error.code}: {error.details}", EXIT_USAGE if error.code in USAGE_CODES else EXIT_FAILED
+
+
+def fail(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def stats_line(result: Generation) -> str:
+    """What follows each answer: acceptance, mean accepted length, tokens/s, drafter, failovers."""
+    stats = result.stats or GenerationStats(num_generated_tokens=len(result.token_ids))
+    tokens_per_s = stats.tokens_per_s or (len(result.token_ids) / result.latency_s if result.latency_s else 0.0)
+    parts = [f"{len(result.token_ids)} tokens", f"{tokens_per_s:.1f} tok/s", f"acceptance {stats.acceptance_rate:.0%}",
+             f"mean accepted length {stats.mean_accepted_length:.2f}", f"drafter {stats.drafter or 'none'}",
+             f"failovers {stats.num_failovers}" + (f" ({', '.join(stats.failovers)})" if stats.failovers else ""),
+             f"finish {result.finish_reason or '?'}", f"first token {result.time_to_first_token_s * 1e3:.0f} ms"]
+    return "[" + ", ".join(parts) + "]"
+
+
+def printer(out=None):
+    """An `on_text` that streams to `out` (default: the current sys.stdout)."""
+
+    def write(text: str) -> None:
+        stream = out or sys.stdout
+        stream.write(text)
+        stream.flush()
+
+    return write
+
+
+async def _generate_remote(args: argparse.Namespace) -> int:
+    prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+    async with make_client(args) as client:
+        result = await client.collect(prompt, on_text=None if args.json else printer(), **sampling_kwargs(args))
+    if args.json:
+        print(json.dumps({**asdict(result), "stats": asdict(result.stats) if result.stats else None}))
+    else:
+        print()
+        print(stats_line(result), file=sys.stderr)
+    if result.error_message:
+        return fail(f"the generation failed: {result.error_message}", EXIT_FAILED)
+    return EXIT_OK
+
+
+def _generate_local(args: argparse.Namespace) -> int:
     from client.local import LocalGenerator
     from specmesh.decoding.sampling import SamplingParams
 
@@ -30,31 +141,121 @@ def _generate(args) -> int:
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
     try:
         params.validate()
-        generator = LocalGenerator(args.model, drafter=args.drafter, dtype=args.dtype)
+        generator = LocalGenerator(args.model, drafter=args.drafter or "bf16", dtype=args.dtype)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    for text in generator.stream_text(args.prompt, params, args.num_draft_tokens, chat=not args.raw):
+        return fail(str(exc), EXIT_USAGE)
+    for text in generator.stream_text(args.prompt, params, args.k, chat=not args.raw):
         print(text, end="", flush=True)
     print()
-    print(f"[{generator.last_stats.summary()}]", file=sys.stderr)
-    return 0
+    print(f"[{generator.last_stats.summary() if generator.last_stats else 'no stats'}]", file=sys.stderr)
+    return EXIT_OK
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
+    if args.local:
+        return _generate_local(args)
+    if (args.drafter or "") not in DRAFTERS:
+        return fail(f"--drafter {args.drafter!r}: the coordinator drafts with service | ngram "
+                    f"(in-process drafters {', '.join(LOCAL_DRAFTERS)} need --local)", EXIT_USAGE)
+    return run_async(_generate_remote(args))
+
+
+async def _stats(args: argparse.Namespace) -> int:
+    async with make_client(args) as client:
+        stats = await client.stats()
+    if args.json:
+        print(json.dumps(asdict(stats)))
+        return EXIT_OK
+    t = stats.totals
+    print(f"coordinator {args.address}: {stats.num_requests} requests ({stats.num_active_requests} active, "
+          f"{stats.num_failed_requests} failed), {stats.num_generated_tokens} tokens generated")
+    print(f"  acceptance {t.acceptance_rate:.0%} ({t.num_accepted_tokens}/{t.num_draft_tokens} draft tokens), "
+          f"mean accepted length {t.mean_accepted_length:.2f}, {t.num_target_forwards} target forwards, "
+          f"{stats.num_failovers} failovers")
+    if t.accepted_per_position:
+        print("  accepted per draft, by position: " + " ".join(f"{a:.2f}" for a in t.accepted_per_draft()))
+    for r in stats.replicas:
+        print(f"  {r.kind:<7} {r.address:<21} {'healthy' if r.healthy else 'UNHEALTHY':<9} in flight {r.in_flight}")
+    return EXIT_OK
+
+
+async def _health(args: argparse.Namespace) -> int:
+    from client.health import Target, probe_all
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else args.token
+    if args.config:
+        from client.cluster_config import load_cluster_config
+
+        specs = load_cluster_config(args.config)
+        targets = [Target(s.address, s.kind, s.name, s.metrics_url, tls_ca=args.tls_ca or s.options.get("tls_cert", ""))
+                   for s in specs if int(s.options.get("port", 0) or 0) > 0]
+    elif args.addresses:
+        targets = [Target(a, tls_ca=args.tls_ca) for a in args.addresses]
+    else:  # the coordinator, and every replica it knows
+        targets = [Target(args.address, "coordinator", "coordinator", tls_ca=args.tls_ca)]
+        try:
+            async with make_client(args) as client:
+                targets += [Target(r.address, r.kind, tls_ca=args.tls_ca) for r in (await client.stats()).replicas]
+        except CoordinatorError as exc:
+            message, code = explain(exc)
+            return fail(message, code)
+    if not targets:
+        return fail("no service to check (ports chosen at run time cannot be known from the config)", EXIT_USAGE)
+    reports = await probe_all(targets, token=token, client_cert=args.client_cert, client_key=args.client_key)
+    for report in reports:
+        print(report.line())
+    return EXIT_OK if all(r.ok for r in reports) else EXIT_FAILED
+
+
+def run_async(coroutine) -> int:
+    """Run a command's coroutine; gRPC failures become one line on stderr and an exit code."""
+    try:
+        return asyncio.run(coroutine)
+    except CoordinatorError as exc:
+        message, code = explain(exc)
+        return fail(message, code)
+    except ValueError as exc:
+        return fail(str(exc), EXIT_USAGE)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from client import bench_cli, chat
+
+    parser = argparse.ArgumentParser(prog="specmesh", description="specmesh: distributed speculative decoding")
+    commands = parser.add_subparsers(dest="command", required=True)
+    connection, sampling = connection_parser(), sampling_parser()
+    gen = commands.add_parser("generate", parents=[connection, sampling], help="stream one answer from the coordinator")
+    gen.add_argument("prompt", help="the prompt; - reads it from stdin")
+    gen.add_argument("--raw", action="store_true", help="no chat template: the prompt is tokenized as-is")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) at the end")
+    local = gen.add_argument_group("in-process (--local)")
+    local.add_argument("--local", action="store_true", help="generate in this process: no services needed")
+    local.add_argument("--model", default="default", help="default | HF folder | .gguf | hub id")
+    local.add_argument("--dtype", default="float32")
+    gen.set_defaults(handler=_generate)
+    chat.add_parser(commands, [connection, sampling])
+    bench_cli.add_parser(commands, [connection, sampling])
+    health = commands.add_parser("health", parents=[connection], help="grpc health and GetInfo of every service")
+    health.add_argument("addresses", nargs="*", help="services to check (default: the coordinator and its replicas)")
+    health.add_argument("--config", default="", help="check every service of this cluster YAML")
+    health.set_defaults(handler=lambda args: run_async(_health(args)))
+    stats = commands.add_parser("stats", parents=[connection], help="the coordinator's totals and replicas")
+    stats.add_argument("--json", action="store_true")
+    stats.set_defaults(handler=lambda args: run_async(_stats(args)))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specmesh", description="specmesh: distributed speculative decoding")
-    commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text in-process (speculative by default)")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", default="default", help="default | HF folder | .gguf | hub id")
-    gen.add_argument("--drafter", default="bf16", choices=DRAFTERS)
-    gen.add_argument("--dtype", default="float32")
-    gen.add_argument("--num-draft-tokens", type=int, default=0, help="fixed k; 0 = adaptive")
-    gen.add_argument("--raw", action="store_true", help="no chat template")
-    _sampling_args(gen)
-    gen.set_defaults(handler=_generate)
-    args = parser.parse_args(argv)
-    return args.handler(args)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except OSError as exc:  # a token file, a certificate, a prompts file
+        return fail(str(exc), EXIT_USAGE)
 
 
 if __name__ == "__main__":

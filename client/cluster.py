@@ -2,18 +2,13 @@
 
     python -m client.cluster --config configs/local.yaml
 
-Config format (see configs/local.yaml):
-    defaults:            # options every service gets unless it sets its own
-      device: cpu
-    services:
-      draft:             # a name of your choice
-        kind: draft      # draft | verify | stage
-        model: default
-        port: 50051      # 0 = pick a free port
-        ...              # any option of that service (python -m draft_service --help)
-Programmatic use (tests, the demo):
+The config format is in `client/cluster_config.py` (kinds draft | verify | stage | coordinator,
+`replicas`, `torch_threads`). Programmatic use (tests, the demo):
     with Cluster.from_yaml("configs/local.yaml") as cluster:
         cluster.addresses["verify"]   # "127.0.0.1:50052", health SERVING
+        cluster.addresses_of("verify")  # every verify replica
+All processes start at once; the cluster is up when every one is SERVING and every coordinator
+sees all its replicas healthy.
 """
 
 from __future__ import annotations
@@ -26,46 +21,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.cluster_config import MODULES, ServiceSpec, link_coordinators, load_cluster_config
 from servicekit.channels import open_channel
 from servicekit.options import to_argv
+from specmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-MODULES = {"draft": "draft_service", "verify": "target_service", "stage": "stage_service"}
+__all__ = ["Cluster", "ServiceSpec", "free_port", "load_cluster_config", "wait_serving"]
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class ServiceSpec:
-    name: str
-    kind: str  # draft | verify | stage
-    options: dict = field(default_factory=dict)  # flags of that service, e.g. {"model": "default", "port": 50051}
-
-    @property
-    def address(self) -> str:
-        host = self.options.get("host", "127.0.0.1")
-        return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.options['port']}"
-
-
-def load_cluster_config(path: str | Path) -> list[ServiceSpec]:
-    config = yaml.safe_load(Path(path).read_text()) or {}
-    defaults = config.get("defaults") or {}
-    services = config.get("services") or {}
-    if not services:
-        raise ValueError(f"{path}: no services")
-    specs = []
-    for name, entry in services.items():
-        entry = dict(entry or {})
-        kind = entry.pop("kind", name)
-        if kind not in MODULES:
-            raise ValueError(f"{path}: service {name!r} has unknown kind {kind!r}; choose one of {', '.join(MODULES)}")
-        specs.append(ServiceSpec(name, kind, {**defaults, **entry}))
-    return specs
+SAMPLE_PROMPT = "Explain how a rainbow forms."
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,7 +61,27 @@ def wait_serving(address: str, deadline_s: float, process: subprocess.Popen | No
                 pass
             if time.monotonic() > deadline_s:
                 raise TimeoutError(f"{address} did not report SERVING in time")
-            time.sleep(0.2)
+            time.sleep(0.1)
+
+
+def wait_replicas_healthy(address: str, deadline_s: float, process: subprocess.Popen | None = None,
+                          tls_cert: str = "") -> None:
+    """Poll a coordinator's GetStats until every replica it knows is healthy (its health checks
+    re-admit a replica that came up after it). Returns at once if GetStats needs credentials."""
+    with open_channel(address, tls_ca=tls_cert, aio=False) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"the coordinator at {address} exited with code {process.returncode}")
+            try:
+                if all(r.healthy for r in stub.GetStats(coordinator_pb2.GetStatsRequest(), timeout=1.0).replicas):
+                    return
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    return
+            if time.monotonic() > deadline_s:
+                raise TimeoutError(f"the coordinator at {address} did not see all its replicas healthy in time")
+            time.sleep(0.1)
 
 
 class Cluster:
@@ -112,39 +101,63 @@ class Cluster:
     def addresses(self) -> dict[str, str]:
         return {spec.name: spec.address for spec in self.specs}
 
+    def addresses_of(self, kind: str) -> list[str]:
+        return [spec.address for spec in self.specs if spec.kind == kind]
+
     def command(self, spec: ServiceSpec) -> list[str]:
         return [self.python, "-m", MODULES[spec.kind], *to_argv(spec.options)]
 
-    def start(self, timeout_s: float = 600.0) -> Cluster:
-        deadline_s = time.monotonic() + timeout_s
+    def environment(self, spec: ServiceSpec) -> dict[str, str]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        if spec.torch_threads > 0:  # torch sizes its intra-op pool from OMP_NUM_THREADS at start
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(spec.torch_threads)
+        return env
+
+    def _launch(self, spec: ServiceSpec) -> None:
+        with open(self.log_dir / f"{spec.name}.log", "wb") as log:
+            self.processes[spec.name] = subprocess.Popen(self.command(spec), stdout=log, stderr=subprocess.STDOUT,
+                                                         cwd=ROOT, env=self.environment(spec), start_new_session=True)
+
+    def start(self, timeout_s: float = 600.0) -> Cluster:
+        """Start every process at once (a coordinator waits for its Verify replicas itself), wait until
+        each is SERVING and each coordinator sees all its replicas healthy."""
+        deadline_s = time.monotonic() + timeout_s
         try:
-            for spec in self.specs:
+            for spec in self.specs:  # ports picked here, so they can be printed and passed on
                 if not spec.options.get("port"):
                     spec.options["port"] = free_port()
-                log = open(self.log_dir / f"{spec.name}.log", "wb")
-                self.processes[spec.name] = subprocess.Popen(self.command(spec), stdout=log, stderr=subprocess.STDOUT,
-                                                             cwd=ROOT, env=env, start_new_session=True)
-                log.close()
+                if int(spec.options.get("metrics_port", -1)) == 0:
+                    spec.options["metrics_port"] = free_port()
+            link_coordinators(self.specs)
+            for spec in self.specs:
+                self._launch(spec)
             for spec in self.specs:
                 wait_serving(spec.address, deadline_s, self.processes[spec.name], spec.options.get("tls_cert", ""))
+            for spec in self.specs:
+                if spec.kind == "coordinator":
+                    wait_replicas_healthy(spec.address, deadline_s, self.processes[spec.name], spec.options.get("tls_cert", ""))
         except BaseException:
             self.stop()
             raise
         return self
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        for process in self.processes.values():
+        """SIGTERM every process (coordinators first, so they close their downstream sessions), then wait."""
+        ordered = sorted(self.processes.items(), key=lambda item: self._kind(item[0]) != "coordinator")
+        for _, process in ordered:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         deadline_s = time.monotonic() + timeout_s
-        for process in self.processes.values():
+        for _, process in ordered:
             try:
                 process.wait(max(0.1, deadline_s - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
         self.processes.clear()
+
+    def _kind(self, name: str) -> str:
+        return next((s.kind for s in self.specs if s.name == name), "")
 
     def log_tail(self, name: str, num_chars: int = 2000) -> str:
         path = self.log_dir / f"{name}.log"
@@ -157,27 +170,58 @@ class Cluster:
         self.stop()
 
 
+def cli_command() -> str:
+    """How to call the `specmesh` CLI of this interpreter: `.venv/bin/specmesh` when installed there."""
+    script = Path(sys.executable).parent / "specmesh"
+    if not script.exists():
+        return f"{sys.executable} -m client.cli"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
+
+
+def describe(cluster: Cluster) -> list[str]:
+    """What `make run-cluster` prints once every service is SERVING: where each listens, and what to run."""
+    lines = []
+    for spec in cluster.specs:
+        detail = spec.options.get("model", "default") if spec.kind != "coordinator" else (
+            f"draft [{spec.options.get('draft_addresses', '')}] verify [{spec.options.get('verify_addresses', '')}]")
+        metrics = f", metrics {spec.metrics_url}" if spec.metrics_url else ""
+        threads = f", {spec.torch_threads} thread(s)" if spec.torch_threads else ""
+        pid = cluster.processes[spec.name].pid if spec.name in cluster.processes else "-"
+        lines.append(f"  {spec.name:<12} {spec.kind:<11} {spec.address:<21} pid {pid:<8} {detail}{threads}{metrics}")
+    coordinators = cluster.addresses_of("coordinator")
+    cli = cli_command()
+    if coordinators:
+        address = "" if coordinators[0] == "127.0.0.1:50050" else f" --address {coordinators[0]}"
+        lines += ["try:", f"  {cli} generate \"{SAMPLE_PROMPT}\"{address}", f"  {cli} chat{address}",
+                  f"  {cli} stats{address}"]
+    else:
+        lines += ["try:", f"  {cli} health {' '.join(cluster.addresses.values())}"]
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="start a specmesh cluster from a YAML config")
     parser.add_argument("--config", default="configs/local.yaml")
     parser.add_argument("--log-dir", default=None, help="where each service's log goes (default: a temp folder)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="how long to wait for every service to be SERVING")
     args = parser.parse_args(argv)
-    cluster = Cluster.from_yaml(args.config, log_dir=args.log_dir)
-    stop = {"requested": False}
+    try:
+        cluster = Cluster.from_yaml(args.config, log_dir=args.log_dir)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     def request_stop(signum, frame):
-        stop["requested"] = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        print(f"starting {len(cluster.specs)} service(s) from {args.config}; logs in {cluster.log_dir}", flush=True)
+        print(f"starting {len(cluster.specs)} process(es) from {args.config}; logs in {cluster.log_dir}", flush=True)
         cluster.start(args.timeout_s)
-        for spec in cluster.specs:
-            metrics = spec.options.get("metrics_port", -1)
-            metrics_text = f", metrics http://{spec.address.rsplit(':', 1)[0]}:{metrics}/metrics" if int(metrics) > 0 else ""
-            print(f"  {spec.name:<10} {spec.kind:<7} {spec.options.get('model', 'default')} on {spec.address}{metrics_text}", flush=True)
+        print("\n".join(describe(cluster)), flush=True)
         print("serving; Ctrl-C to stop", flush=True)
         while True:
             for name, process in cluster.processes.items():

@@ -3,15 +3,18 @@
 1. In-process speculative decoding, streamed: a chat answer drafted by the target's own weights in
    bf16, and a passage rewrite drafted by prompt lookup; each followed by its stats and by plain
    decoding of the same prompt, measured there and then (speedup, and the exactness check).
-2. Over the wire: the local cluster (configs/local.yaml: a Draft and a Verify service, each its own
-   process, on free loopback ports) is started, a speculative generation is driven through it with
-   gRPC, and the cluster is stopped.
+2. Through the Coordinator: the local cluster (configs/local.yaml: Draft, Verify and Coordinator,
+   each its own process, on free loopback ports) is started, the same two prompts are streamed
+   through the Coordinator with the `specmesh` client library, their stats and the coordinator's
+   totals are printed beside the in-process figures, and the cluster is stopped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
+from dataclasses import dataclass
 
 from specmesh.decoding.sampling import SamplingParams
 
@@ -24,50 +27,85 @@ GROUNDED_PROMPT = f"Rewrite the following passage as a numbered list of facts, o
 MAX_NEW_TOKENS = 96
 
 
+@dataclass
+class Run:
+    label: str
+    prompt: str
+    drafter: str  # in-process drafter; the cluster's: "service" (the Draft service's bf16 self-draft) or "ngram"
+    text: str = ""
+    num_tokens: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.wall_s if self.wall_s else 0.0
+
+
 def _section(title: str) -> None:
     print(f"\n=== {title} ===", flush=True)
 
 
-def _speculative_vs_plain(generator, prompt: str, drafter: str) -> None:
+def _speculative_vs_plain(generator, run: Run) -> None:
     params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
-    print(f"user: {prompt}\nassistant: ", end="", flush=True)
+    print(f"user: {run.prompt}\nassistant: ", end="", flush=True)
     start = time.perf_counter()
-    text = ""
-    for delta in generator.stream_text(prompt, params, drafter=drafter):
-        text += delta
+    for delta in generator.stream_text(run.prompt, params, drafter=run.drafter):
+        run.text += delta
         print(delta, end="", flush=True)
-    spec_s = time.perf_counter() - start
+    run.wall_s = time.perf_counter() - start
     spec_stats = generator.last_stats
-    print(f"\n[speculative, {drafter} drafts] {spec_stats.summary()}")
+    run.num_tokens = spec_stats.num_generated_tokens
+    print(f"\n[speculative, {run.drafter} drafts] {spec_stats.summary()}")
     print(f"  per-position acceptance: {[f'{a:.2f}' for a in spec_stats.per_position_acceptance()[:8]]}")
     start = time.perf_counter()
-    plain = "".join(generator.stream_text(prompt, params, drafter="none"))
+    plain = "".join(generator.stream_text(run.prompt, params, drafter="none"))
     plain_s = time.perf_counter() - start
     plain_stats = generator.last_stats
-    same = "identical" if plain == text else "DIFFERENT"
+    same = "identical" if plain == run.text else "DIFFERENT"
     print(f"[plain decoding] {plain_stats.summary()}")
-    print(f"  -> speedup {plain_s / spec_s:.2f}x wall time ({spec_stats.num_generated_tokens} tokens); "
+    print(f"  -> speedup {plain_s / run.wall_s:.2f}x wall time ({spec_stats.num_generated_tokens} tokens); "
           f"output {same} to plain decoding")
 
 
-def _over_the_wire(tokenizer_prompt_ids) -> None:
+async def _through_the_coordinator(address: str, runs: list[Run]) -> None:
+    from client.cli import printer, stats_line
+    from client.coordinator_client import CoordinatorClient
+
+    async with CoordinatorClient(address) as client:
+        for run in runs:
+            drafter = "ngram" if run.drafter == "ngram" else "service"
+            print(f"\nuser: {run.prompt}\nassistant: ", end="", flush=True)
+            result = await client.collect([{"role": "user", "content": run.prompt}], mode="speculative", drafter=drafter,
+                                          max_new_tokens=MAX_NEW_TOKENS, on_text=printer())
+            print(f"\n[through the coordinator, {drafter} drafts] {stats_line(result)}")
+            same = "identical" if result.text == run.text else "DIFFERENT"
+            cluster_tok_s = len(result.token_ids) / result.latency_s if result.latency_s else 0.0
+            ratio = run.tokens_per_s / cluster_tok_s if cluster_tok_s else float("inf")
+            print(f"  -> in-process {run.tokens_per_s:.1f} tok/s vs cluster {cluster_tok_s:.1f} tok/s: the cluster takes "
+                  f"{ratio:.2f}x the in-process wall time per token; output {same} to in-process")
+        stats = await client.stats()
+        print(f"\ncoordinator totals: {stats.num_requests} requests, {stats.num_generated_tokens} tokens, acceptance "
+              f"{stats.totals.acceptance_rate:.0%}, mean accepted length {stats.totals.mean_accepted_length:.2f}; replicas: "
+              + ", ".join(f"{r.kind} {r.address} {'healthy' if r.healthy else 'UNHEALTHY'}" for r in stats.replicas))
+
+
+def _cluster_section(runs: list[Run]) -> None:
+    import torch
+
     from client.cluster import Cluster, load_cluster_config
-    from client.wire_loop import run_wire_generation
 
     specs = load_cluster_config("configs/local.yaml")
     for spec in specs:  # free ports, so the demo never collides with a running cluster
         spec.options["port"] = 0
         spec.options.pop("metrics_port", None)
-    print("starting the local cluster (one process per service) ...", flush=True)
+        if spec.kind != "coordinator":  # one request at a time: draft and verify take turns, each may use every core
+            spec.torch_threads = torch.get_num_threads()
+    print("starting the local cluster (Draft, Verify and Coordinator, one process each) ...", flush=True)
     start = time.perf_counter()
     with Cluster(specs) as cluster:
         print(f"  ready in {time.perf_counter() - start:.1f} s: {cluster.addresses}")
-        draft_addr = next(s.address for s in specs if s.kind == "draft")
-        verify_addr = next(s.address for s in specs if s.kind == "verify")
-        params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
-        tokens, stats = run_wire_generation(draft_addr, verify_addr, tokenizer_prompt_ids, params, k=None)
-        print(f"[over gRPC: Draft -> Verify] {stats.summary()}")
-    return tokens
+        asyncio.run(_through_the_coordinator(cluster.addresses_of("coordinator")[0], runs))
+    print("cluster stopped")
 
 
 def main() -> int:
@@ -78,16 +116,16 @@ def main() -> int:
     print("SmolLM2-135M-Instruct, fp32 target on our native engine. On a CPU a bf16 self-draft step costs")
     print("~0.7-0.9 of a target step, so it barely pays; prompt lookup is free and pays where the answer")
     print("reuses the prompt. Adaptive k falls back towards plain decoding when drafting does not pay.")
+    runs = [Run("chat", CHAT_PROMPT, "bf16"), Run("grounded", GROUNDED_PROMPT, "ngram")]
 
     _section("1a. speculative decoding, bf16 self-draft (chat)")
-    _speculative_vs_plain(generator, CHAT_PROMPT, "bf16")
+    _speculative_vs_plain(generator, runs[0])
     _section("1b. speculative decoding, prompt-lookup drafts (input-grounded)")
-    _speculative_vs_plain(generator, GROUNDED_PROMPT, "ngram")
+    _speculative_vs_plain(generator, runs[1])
 
-    _section("2. over the wire: Draft and Verify services as separate processes")
-    tokens = _over_the_wire(generator.prompt_ids(CHAT_PROMPT))
-    print(generator.tokenizer.decode(tokens, skip_special_tokens=True))
-    print("cluster stopped")
+    _section("2. through the Coordinator: Draft, Verify and Coordinator as separate processes")
+    _cluster_section(runs)
+    print("\nnext: `make run-cluster`, then `.venv/bin/specmesh generate \"...\"`, `specmesh chat`, `specmesh bench`")
     return 0
 
 

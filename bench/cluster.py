@@ -1,0 +1,204 @@
+"""Cluster benchmark: the Coordinator + Draft + Verify processes against the same algorithm in-process.
+
+1. Overhead, one session (greedy, default model, CPU): wall time per token through the cluster
+   (three processes on loopback, started as `make run-cluster` starts them) over the in-process run
+   of the same algorithm, for target-only decoding, n-gram drafts (drafted in the coordinator, or
+   fused on the Verify service) and a bf16 self-draft (the Draft service); with the per-round
+   draft / verify time each side measured, so the RPC cost per round shows.
+2. Aggregate tokens/s at 1, 4 and 16 concurrent clients through the coordinator, speculative
+   (n-gram) and autoregressive.
+
+    .venv/bin/python bench/cluster.py            # ~5 minutes; writes bench/results/cluster.{json,md}
+Medians over prompts and repeats; ratios come from one run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from client.cluster import Cluster  # noqa: E402
+from client.wire_loop import channel  # noqa: E402
+from specmesh.decoding.adaptive import AdaptiveK  # noqa: E402
+from specmesh.decoding.sampling import SamplingParams  # noqa: E402
+from specmesh.decoding.speculative import generate  # noqa: E402
+from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
+from specmesh.drafters.model import ModelDrafter  # noqa: E402
+from specmesh.drafters.ngram import PromptLookupDrafter  # noqa: E402
+from specmesh.models.chat import chat_prompt_ids  # noqa: E402
+from specmesh.models.load import load_engine  # noqa: E402
+from specmesh.models.resolve import resolve_model_spec  # noqa: E402
+from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
+
+THREADS = 2
+MAX_NEW_TOKENS = 64
+REPEATS = 2
+PROMPTS = [
+    "List the planets of the solar system in order, then list them again in reverse order.",
+    "Write a Python function that adds two numbers, then one that subtracts them, then one that multiplies them.",
+    "Explain how a rainbow forms.",
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",
+]
+CONCURRENCY = (1, 4, 16)
+CONCURRENT_NEW_TOKENS = 32
+ALGORITHMS = {  # name: (in-process drafter kind, coordinator mode, coordinator drafter)
+    "target only": ("none", coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE, ""),
+    "n-gram, drafted in the coordinator": ("ngram", coordinator_pb2.GENERATION_MODE_SPECULATIVE, "ngram"),
+    "n-gram, fused on the Verify service": ("ngram", coordinator_pb2.GENERATION_MODE_FUSED, ""),
+    "bf16 self-draft, Draft service": ("bf16", coordinator_pb2.GENERATION_MODE_SPECULATIVE, "service"),
+}
+
+
+def cluster_config(folder: str) -> dict:
+    common = {"model": folder, "port": 0, "torch_threads": THREADS}
+    return {"defaults": {"device": "cpu", "host": "127.0.0.1"}, "services": {
+        "draft": {"kind": "draft", "drafter": "model", "dtype": "bfloat16", **common},
+        "verify": {"kind": "verify", "dtype": "float32", "fused_drafter": "ngram", **common},
+        "coordinator": {"kind": "coordinator", "port": 0},
+    }}
+
+
+async def through_cluster(address: str, prompt: str, mode: int, drafter: str, max_new_tokens: int) -> dict:
+    request = coordinator_pb2.GenerateRequest(
+        chat=coordinator_pb2.ChatMessages(messages=[coordinator_pb2.ChatMessage(role="user", content=prompt)]),
+        mode=mode, drafter=drafter, sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
+    async with channel(address) as ch:
+        start = time.perf_counter()
+        tokens, stats = [], None
+        async for response in coordinator_pb2_grpc.CoordinatorServiceStub(ch).Generate(request, timeout=600):
+            tokens += response.token_ids
+            if response.HasField("stats"):
+                stats = response.stats
+        wall = time.perf_counter() - start
+    assert stats is not None
+    rounds = max(1, stats.num_target_forwards - 1)
+    return {"tokens": tokens, "wall_s": wall, "rounds": rounds,
+            "draft_ms_per_round": stats.draft_ms / rounds, "verify_ms_per_round": stats.verify_ms / rounds}
+
+
+def in_process(verifier: TargetVerifier, drafter, ids: list[int]) -> dict:
+    params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS)
+    start = time.perf_counter()
+    result = generate(verifier, drafter, ids, params, k_policy=AdaptiveK() if drafter is not None else None)
+    wall = time.perf_counter() - start
+    rounds = max(1, result.stats.num_target_forwards - 1)
+    return {"tokens": result.token_ids, "wall_s": wall, "rounds": rounds,
+            "draft_ms_per_round": result.stats.draft_ms / rounds, "verify_ms_per_round": result.stats.verify_ms / rounds}
+
+
+def overhead(address: str, folder: str, tokenizer) -> list[dict]:
+    torch.set_num_threads(THREADS)
+    verifier = TargetVerifier(load_engine(folder, dtype="float32"))
+    bf16 = load_engine(folder, dtype="bfloat16")
+    drafters = {"none": lambda: None, "ngram": lambda: PromptLookupDrafter(min_n=1, max_n=4), "bf16": lambda: ModelDrafter(bf16)}
+    rows = []
+    for name, (kind, mode, drafter) in ALGORITHMS.items():
+        local, remote, exact = [], [], True
+        asyncio.run(through_cluster(address, PROMPTS[0], mode, drafter, 8))  # warm-up (kernels, caches)
+        for _ in range(REPEATS):
+            for prompt in PROMPTS:
+                ids = chat_prompt_ids(tokenizer, prompt)
+                a = in_process(verifier, drafters[kind](), ids)
+                b = asyncio.run(through_cluster(address, prompt, mode, drafter, MAX_NEW_TOKENS))
+                exact &= a["tokens"] == b["tokens"]
+                local.append(a)
+                remote.append(b)
+
+        def per_token_ms(runs: list[dict]) -> float:
+            return statistics.median(r["wall_s"] * 1e3 / max(1, len(r["tokens"])) for r in runs)
+
+        def median(runs: list[dict], key: str) -> float:
+            return statistics.median(r[key] for r in runs)
+
+        rows.append({
+            "algorithm": name, "exact": exact,
+            "in_process_ms_per_token": per_token_ms(local), "cluster_ms_per_token": per_token_ms(remote),
+            "ratio": per_token_ms(remote) / per_token_ms(local),
+            "in_process_tokens_per_round": statistics.median(len(r["tokens"]) / r["rounds"] for r in local),
+            "in_process_draft_ms_per_round": median(local, "draft_ms_per_round"),
+            "in_process_verify_ms_per_round": median(local, "verify_ms_per_round"),
+            "cluster_draft_ms_per_round": median(remote, "draft_ms_per_round"),
+            "cluster_verify_ms_per_round": median(remote, "verify_ms_per_round"),
+        })
+        print(f"  {name}: cluster / in-process = {rows[-1]['ratio']:.3f}, exact {exact}", flush=True)
+    return rows
+
+
+async def concurrent(address: str, n: int, mode: int, drafter: str) -> dict:
+    start = time.perf_counter()
+    results = await asyncio.gather(*(through_cluster(address, PROMPTS[i % len(PROMPTS)] + f" ({i})", mode, drafter,
+                                                     CONCURRENT_NEW_TOKENS) for i in range(n)))
+    wall = time.perf_counter() - start
+    tokens = sum(len(r["tokens"]) for r in results)
+    return {"clients": n, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+
+
+def render(out: dict) -> str:
+    lines = [
+        "# Cluster benchmark (Coordinator + Draft + Verify processes vs in-process)", "",
+        f"`.venv/bin/python bench/cluster.py`: model {out['model']}, CPU ({out['machine']}), {THREADS} torch threads per "
+        f"model process and in-process, greedy, {MAX_NEW_TOKENS} new tokens, {len(PROMPTS)} chat prompts x {REPEATS}; "
+        "medians. Wall time per token includes the stream to the client.", "",
+        "## Overhead, one session", "",
+        "| algorithm | exact | in-process ms/token | cluster ms/token | cluster / in-process | tokens/round | "
+        "draft ms/round (in-process / cluster) | verify ms/round (in-process / cluster) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in out["overhead"]:
+        lines.append(f"| {r['algorithm']} | {r['exact']} | {r['in_process_ms_per_token']:.1f} | {r['cluster_ms_per_token']:.1f} | "
+                     f"{r['ratio']:.3f} | {r['in_process_tokens_per_round']:.2f} | "
+                     f"{r['in_process_draft_ms_per_round']:.1f} / {r['cluster_draft_ms_per_round']:.1f} | "
+                     f"{r['in_process_verify_ms_per_round']:.1f} / {r['cluster_verify_ms_per_round']:.1f} |")
+    lines += ["", "Cluster draft / verify ms per round are measured by the coordinator around its RPCs (network, "
+              "batching window and the services' queues included); in-process ones around the calls.", "",
+              f"## Aggregate tokens/s through the coordinator ({CONCURRENT_NEW_TOKENS} new tokens per client)", "",
+              "| clients | speculative (n-gram) tok/s | autoregressive tok/s | speculative / autoregressive |", "|---|---|---|---|"]
+    for spec, ar in zip(out["concurrency"]["speculative"], out["concurrency"]["autoregressive"]):
+        lines.append(f"| {spec['clients']} | {spec['tokens_per_s']:.1f} | {ar['tokens_per_s']:.1f} | "
+                     f"{spec['tokens_per_s'] / ar['tokens_per_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    from transformers import AutoTokenizer
+
+    folder = str(resolve_model_spec("default"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    out: dict = {"model": "default (SmolLM2-135M-Instruct)", "machine": platform.processor() or platform.machine()}
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "cluster.yaml"
+        config.write_text(yaml.safe_dump(cluster_config(folder)))
+        with Cluster.from_yaml(config, log_dir=Path(tmp) / "logs") as cluster:
+            address = cluster.addresses["coordinator"]
+            print("overhead, one session:", flush=True)
+            out["overhead"] = overhead(address, folder, tokenizer)
+            print("aggregate tokens/s:", flush=True)
+            out["concurrency"] = {
+                "speculative": [asyncio.run(concurrent(address, n, coordinator_pb2.GENERATION_MODE_SPECULATIVE, "ngram"))
+                                for n in CONCURRENCY],
+                "autoregressive": [asyncio.run(concurrent(address, n, coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE, ""))
+                                   for n in CONCURRENCY],
+            }
+    results = ROOT / "bench" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "cluster.json").write_text(json.dumps(out, indent=2))
+    text = render(out)
+    (results / "cluster.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Cluster YAML -> one `ServiceSpec` per process (replicas expanded, options checked, threads shared).
+
+    defaults:              # options every service gets, where its kind has that option
+      device: cpu
+    services:
+      verify:              # a name of your choice
+        kind: verify       # draft | verify | stage | coordinator
+        model: default
+        port: 50052        # replica i listens on port + i; 0 = a free port each
+        replicas: 2        # -> processes "verify-0" (:50052) and "verify-1" (:50053)
+        device: [cuda:0, cuda:1]  # a list: one value per replica
+        torch_threads: 4   # intra-op threads (OMP_NUM_THREADS); default: this host's cores shared
+        ...                # any option of that kind (python -m target_service --help)
+      coordinator:
+        kind: coordinator  # draft_addresses / verify_addresses: every draft / verify replica above,
+                           # unless given; model: the verify service's, unless given
+
+`replicas` and `torch_threads` are read by the launcher, every other key is passed as a flag.
+A `defaults` key that a kind lacks (a coordinator has no `device`) is not passed to it; a service's
+own unknown key is an error, named before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+MODULES = {"draft": "draft_service", "verify": "target_service", "stage": "stage_service", "coordinator": "coordinator"}
+OPTION_CLASSES = {"draft": "draft_service.options:DraftOptions", "verify": "target_service.options:VerifyOptions",
+                  "stage": "stage_service.options:StageOptions", "coordinator": "coordinator.options:CoordinatorOptions"}
+LAUNCHER_KEYS = ("replicas", "torch_threads")  # read here, never passed to a service
+COORDINATOR_THREADS = 1  # the coordinator tokenizes and schedules; the model services get the cores
+
+
+@dataclass
+class ServiceSpec:
+    name: str  # the config's name, or "<name>-<i>" for replica i of several
+    kind: str  # draft | verify | stage | coordinator
+    options: dict = field(default_factory=dict)  # flags of that service, e.g. {"model": "default", "port": 50051}
+    torch_threads: int = 0  # intra-op threads of its process; 0 = not set (torch's own default)
+    group: str = ""  # the config entry it comes from (replicas share it)
+
+    @property
+    def address(self) -> str:
+        host = self.options.get("host", "127.0.0.1")
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.options['port']}"
+
+    @property
+    def metrics_url(self) -> str:
+        """`http://host:port/metrics`, or "" when the service serves no metrics or the port is picked at run time."""
+        port = int(self.options.get("metrics_port", -1))
+        return f"http://{self.address.rsplit(':', 1)[0]}:{port}/metrics" if port > 0 else ""
+
+
+def option_names(kind: str) -> set[str]:
+    module, name = OPTION_CLASSES[kind].split(":")
+    return {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+
+
+def host_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def default_torch_threads(num_model_processes: int, cores: int | None = None) -> int:
+    """Model services on one host share its cores: max(1, cores // number of model processes)."""
+    return max(1, (cores or host_cores()) // max(1, num_model_processes))
+
+
+def _replicas(path, name: str, entry: dict) -> int:
+    replicas = entry.pop("replicas", 1)
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"{path}: service {name!r}: replicas must be an integer >= 1, got {replicas!r}")
+    for key, value in entry.items():
+        if isinstance(value, list) and len(value) != replicas:
+            raise ValueError(f"{path}: service {name!r}: {key} lists {len(value)} values for {replicas} replica(s)")
+    return replicas
+
+
+def _replica_options(options: dict, index: int) -> dict:
+    """Replica `index` listens on port + index (and metrics_port + index); port 0 stays 0 (free port
+    each). A list value gives one item per replica (e.g. `device: [cuda:0, cuda:1]`)."""
+    options = {key: value[index] if isinstance(value, list) else value for key, value in options.items()}
+    for key in ("port", "metrics_port"):
+        if int(options.get(key, 0) or 0) > 0:
+            options[key] = int(options[key]) + index
+    return options
+
+
+def load_cluster_config(path: str | Path, cores: int | None = None) -> list[ServiceSpec]:
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    defaults = dict(config.get("defaults") or {})
+    services = config.get("services") or {}
+    if not services:
+        raise ValueError(f"{path}: no services")
+    default_threads = defaults.pop("torch_threads", 0)
+    entries = []
+    for name, entry in services.items():
+        entry = dict(entry or {})
+        kind = entry.pop("kind", name)
+        if kind not in MODULES:
+            raise ValueError(f"{path}: service {name!r} has unknown kind {kind!r}; choose one of {', '.join(MODULES)}")
+        entries.append((name, kind, entry, _replicas(path, name, entry), entry.pop("torch_threads", default_threads)))
+    num_model_processes = sum(replicas for _, kind, _, replicas, _ in entries if kind != "coordinator")
+    specs = []
+    for name, kind, entry, replicas, threads in entries:
+        known = option_names(kind)
+        unknown = sorted(set(entry) - known)
+        if unknown:
+            raise ValueError(f"{path}: service {name!r} ({kind}) has no option(s) {', '.join(unknown)}")
+        options = {**{k: v for k, v in defaults.items() if k in known}, **entry}
+        if not threads:
+            threads = COORDINATOR_THREADS if kind == "coordinator" else default_torch_threads(num_model_processes, cores)
+        for index in range(replicas):
+            replica_name = name if replicas == 1 else f"{name}-{index}"
+            specs.append(ServiceSpec(replica_name, kind, _replica_options(options, index), int(threads), group=name))
+    _inherit_target_model(specs, services)
+    return specs
+
+
+def _inherit_target_model(specs: list[ServiceSpec], services: dict) -> None:
+    """A coordinator tokenizes with its target's tokenizer: the first verify service's model unless it names one."""
+    verify_models = [s.options["model"] for s in specs if s.kind == "verify" and "model" in s.options]
+    for spec in specs:
+        if spec.kind == "coordinator" and "model" not in (services[spec.group] or {}) and verify_models:
+            spec.options["model"] = verify_models[0]
+
+
+def link_coordinators(specs: list[ServiceSpec]) -> None:
+    """Fill each coordinator's draft_addresses / verify_addresses with every draft / verify replica of
+    the cluster, unless the config names them (call once every port is known)."""
+    for spec in specs:
+        if spec.kind != "coordinator":
+            continue
+        for kind in ("draft", "verify"):
+            key = f"{kind}_addresses"
+            addresses = [s.address for s in specs if s.kind == kind]
+            if key not in spec.options and addresses:
+                spec.options[key] = ",".join(addresses)

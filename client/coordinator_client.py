@@ -1,0 +1,244 @@
+"""A typed asyncio client of the Coordinator (`specmesh.v1.CoordinatorService`).
+
+    async with CoordinatorClient("127.0.0.1:50050") as client:
+        async for chunk in client.generate("Explain rainbows.", max_new_tokens=64):
+            print(chunk.text, end="")                # the last chunk has finish_reason and stats
+        result = await client.collect([{"role": "user", "content": "Hi"}], mode="fused", temperature=0.7, seed=1)
+        print(result.text, result.stats.summary())
+        print((await client.stats()).num_requests, await client.health())
+
+A `str` prompt is tokenized as-is; a list of chat messages ({"role", "content"}) goes through the
+model's chat template on the coordinator. gRPC failures raise `CoordinatorError` (its `code` is the
+status name, e.g. "UNAVAILABLE"); an error the coordinator reports in-band ends the stream with a
+chunk whose `error_message` is set (`collect` keeps it in the result; it does not raise).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from servicekit.channels import open_channel
+from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+MODES = {"": coordinator_pb2.GENERATION_MODE_UNSPECIFIED, "speculative": coordinator_pb2.GENERATION_MODE_SPECULATIVE,
+         "fused": coordinator_pb2.GENERATION_MODE_FUSED, "skeleton": coordinator_pb2.GENERATION_MODE_SKELETON,
+         "autoregressive": coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE}
+DRAFTERS = ("", "service", "ngram")  # "" = the coordinator's default
+FINISH_REASONS = {common_pb2.FINISH_REASON_EOS: "eos", common_pb2.FINISH_REASON_LENGTH: "length",
+                  common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_CONTEXT: "context",
+                  common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
+DEFAULT_GENERATE_TIMEOUT_S = 600.0
+DEFAULT_CALL_TIMEOUT_S = 10.0
+Prompt = str | Sequence[dict[str, str]]
+
+
+class CoordinatorError(Exception):
+    """A failed call to the coordinator: `code` is the gRPC status name, `details` its message."""
+
+    def __init__(self, address: str, code: str, details: str):
+        super().__init__(f"{code}: {details}")
+        self.address, self.code, self.details = address, code, details
+
+    @property
+    def unreachable(self) -> bool:
+        """True when no connection could be made (nothing listens there, a wrong host, a TLS mismatch)."""
+        text = self.details.lower()
+        return self.code == "UNAVAILABLE" and any(s in text for s in ("failed to connect", "connection refused",
+                                                                      "dns resolution", "handshake", "unreachable"))
+
+
+@dataclass
+class GenerationStats:
+    """One request's speculation stats (`SpeculationStats`; vLLM's definitions)."""
+
+    num_generated_tokens: int = 0
+    num_drafts: int = 0  # verify rounds that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [max k] accepted count at draft position i
+    mean_accepted_length: float = 1.0  # 1 + accepted / drafts
+    tokens_per_s: float = 0.0  # as the coordinator measured it
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    num_target_forwards: int = 0
+    seed: int = 0
+    drafter: str = ""  # the drafter that finished the request ("" = target only)
+    num_failovers: int = 0
+    failovers: list[str] = field(default_factory=list)  # e.g. "draft -> ngram"
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.SpeculationStats) -> GenerationStats:
+        return cls(pb.num_generated_tokens, pb.num_drafts, pb.num_draft_tokens, pb.num_accepted_tokens,
+                   list(pb.accepted_per_position), pb.mean_accepted_length or 1.0, pb.tokens_per_s, pb.draft_ms,
+                   pb.verify_ms, pb.num_target_forwards, pb.seed, pb.drafter, pb.num_failovers, list(pb.failovers))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def accepted_per_draft(self) -> list[float]:
+        """Per draft position: accepted count / drafts. Equal to the per-position acceptance when every
+        round drafted that deep (fixed k); below it when rounds drafted fewer (adaptive k)."""
+        return [a / self.num_drafts for a in self.accepted_per_position] if self.num_drafts else []
+
+    def summary(self) -> str:
+        failovers = f"; failovers: {', '.join(self.failovers)}" if self.num_failovers else ""
+        return (f"{self.num_generated_tokens} tokens, {self.tokens_per_s:.1f} tok/s; acceptance {self.acceptance_rate:.0%}, "
+                f"mean accepted length {self.mean_accepted_length:.2f}; drafter {self.drafter or 'none'}{failovers}")
+
+
+@dataclass
+class Chunk:
+    """One streamed message: new text and the tokens behind it; the last one has finish_reason and stats."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # eos | length | stop | context | cancelled | error, on the last chunk
+    stats: GenerationStats | None = None  # on the last chunk
+    error_message: str = ""  # set when the coordinator ended this stream with an error
+    branch_id: int = 0  # skeleton mode: which point; -1 = the skeleton / main stream
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.GenerateResponse) -> Chunk:
+        return cls(pb.text, list(pb.token_ids), FINISH_REASONS.get(pb.finish_reason),
+                   GenerationStats.from_pb(pb.stats) if pb.HasField("stats") else None, pb.error_message, pb.branch_id)
+
+
+@dataclass
+class Generation:
+    """A collected `generate`: the whole text and tokens, with client-side timings."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: GenerationStats | None
+    error_message: str = ""
+    time_to_first_token_s: float = 0.0  # request sent -> first chunk with tokens
+    latency_s: float = 0.0  # request sent -> last chunk
+
+
+@dataclass
+class ReplicaStatus:
+    kind: str  # "draft" or "verify"
+    address: str
+    healthy: bool
+    in_flight: int  # this coordinator's requests on it now
+
+
+@dataclass
+class CoordinatorStats:
+    """`GetStats`: totals since the coordinator started."""
+
+    num_requests: int
+    num_generated_tokens: int
+    num_active_requests: int
+    num_failed_requests: int
+    num_failovers: int
+    totals: GenerationStats
+    replicas: list[ReplicaStatus]
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.GetStatsResponse) -> CoordinatorStats:
+        return cls(pb.num_requests, pb.num_generated_tokens, pb.num_active_requests, pb.num_failed_requests,
+                   pb.num_failovers, GenerationStats.from_pb(pb.totals),
+                   [ReplicaStatus(r.kind, r.address, r.healthy, r.in_flight) for r in pb.replicas])
+
+
+def generate_request(prompt: Prompt, *, mode: str = "speculative", drafter: str = "", k: int = 0,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                     max_new_tokens: int = 128, stop: Sequence[str] = (), ignore_eos: bool = False,
+                     request_id: str = "") -> coordinator_pb2.GenerateRequest:
+    """The `GenerateRequest` for these arguments; ValueError for a mode or drafter the client does not know."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(m for m in MODES if m)}")
+    if drafter not in DRAFTERS:
+        raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(d for d in DRAFTERS if d)}")
+    if k < 0 or max_new_tokens < 0 or top_k < 0:
+        raise ValueError("k, max_new_tokens and top_k must be >= 0")
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, stop=list(stop),
+                                         max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    if seed is not None:
+        sampling.seed = seed
+    request = coordinator_pb2.GenerateRequest(sampling=sampling, mode=MODES[mode], num_draft_tokens=k,
+                                              request_id=request_id, drafter=drafter)
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.chat.messages.extend(coordinator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    return request
+
+
+class CoordinatorClient:
+    """One channel to a coordinator; TLS when `tls_ca` or a client certificate is named, `token` on every call."""
+
+    def __init__(self, address: str, *, tls_ca: str = "", client_cert: str = "", client_key: str = "", token: str = ""):
+        self.address = address
+        self.channel = open_channel(address, tls_ca=tls_ca, client_cert=client_cert, client_key=client_key, token=token)
+        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> CoordinatorError:
+        return CoordinatorError(self.address, exc.code().name, exc.details() or "")
+
+    async def generate(self, prompt: Prompt, *, timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
+                       **kwargs: Any) -> AsyncIterator[Chunk]:
+        """Stream the answer (keyword arguments: `generate_request`'s). Leaving the loop early cancels
+        the request, and the coordinator closes its downstream sessions."""
+        call = self.stub.Generate(generate_request(prompt, **kwargs), timeout=timeout_s)
+        try:
+            async for response in call:
+                yield Chunk.from_pb(response)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    async def collect(self, prompt: Prompt, *, on_text: Callable[[str], object] | None = None,
+                      **kwargs: Any) -> Generation:
+        """`generate`, collected: the whole text and tokens, finish reason, stats and client-side
+        timings; `on_text(delta)` sees the text as it streams (a CLI prints it)."""
+        start_s = time.perf_counter()
+        texts: list[str] = []
+        result = Generation("", [], None, None)
+        async for chunk in self.generate(prompt, **kwargs):
+            if chunk.token_ids and not result.token_ids:
+                result.time_to_first_token_s = time.perf_counter() - start_s
+            if on_text is not None and chunk.text:
+                on_text(chunk.text)
+            texts.append(chunk.text)
+            result.token_ids += chunk.token_ids
+            if chunk.finish_reason is not None or chunk.error_message:
+                result.finish_reason, result.error_message = chunk.finish_reason, chunk.error_message
+            result.stats = chunk.stats or result.stats
+        result.text = "".join(texts)
+        result.latency_s = time.perf_counter() - start_s
+        return result
+
+    async def stats(self, timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> CoordinatorStats:
+        try:
+            return CoordinatorStats.from_pb(await self.stub.GetStats(coordinator_pb2.GetStatsRequest(), timeout=timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    async def health(self, service: str = "", timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> str:
+        """grpc.health.v1 status name: "SERVING", "NOT_SERVING" (e.g. draining), ..."""
+        try:
+            response = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,205 @@
+"""`make run-cluster` (python -m client.cluster) with a coordinator and two Verify replicas: what it
+prints, that the coordinator is wired to every replica, that requests spread over them and equal
+target-only greedy decoding, per-process torch threads, and Ctrl-C stopping everything. Also the
+cluster config rules (replicas, ports, threads, options per kind) without processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from client.cluster import ROOT
+from client.cluster_config import default_torch_threads, link_coordinators, load_cluster_config
+from client.coordinator_client import CoordinatorClient
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.speculative import generate
+from specmesh.decoding.verifier import TargetVerifier
+from specmesh.models.load import load_engine
+
+LISTENING = re.compile(r"^\s+(\S+)\s+(draft|verify|stage|coordinator)\s+(\S+:\d+)\s+pid (\d+)\s+(.*)$")
+PROMPT = "one two three four one two three four one two"
+
+
+def write_config(path, services: dict, defaults: dict | None = None):
+    path.write_text(yaml.safe_dump({"defaults": defaults or {}, "services": services}, sort_keys=False))
+    return path
+
+
+def test_config_replicas_ports_threads_and_options_per_kind(tmp_path):
+    config = write_config(tmp_path / "c.yaml", defaults={"device": "cpu", "dtype": "bfloat16", "model": "m"}, services={
+        "draft": {"kind": "draft", "port": 50051, "metrics_port": 9151},
+        "verify": {"kind": "verify", "port": 50052, "metrics_port": 9152, "replicas": 3, "model": "big",
+                   "device": ["cuda:0", "cuda:1", "cuda:2"]},
+        "coordinator": {"kind": "coordinator", "port": 50050, "torch_threads": 2},
+    })
+    specs = load_cluster_config(config, cores=16)
+    assert [(s.name, s.options["port"], s.options.get("metrics_port")) for s in specs] == [
+        ("draft", 50051, 9151), ("verify-0", 50052, 9152), ("verify-1", 50053, 9153), ("verify-2", 50054, 9154),
+        ("coordinator", 50050, None)]
+    assert [s.torch_threads for s in specs] == [4, 4, 4, 4, 2]  # 16 cores over 4 model processes
+    assert [s.options.get("device") for s in specs] == ["cpu", "cuda:0", "cuda:1", "cuda:2", None]
+    coordinator = specs[-1]
+    assert "device" not in coordinator.options and "dtype" not in coordinator.options  # defaults it has no option for
+    assert coordinator.options["model"] == "big"  # the target's tokenizer
+    link_coordinators(specs)
+    assert coordinator.options["draft_addresses"] == "127.0.0.1:50051"
+    assert coordinator.options["verify_addresses"] == "127.0.0.1:50052,127.0.0.1:50053,127.0.0.1:50054"
+    assert default_torch_threads(3, cores=2) == 1
+
+
+def test_config_keeps_given_addresses_and_names_mistakes(tmp_path):
+    specs = load_cluster_config(write_config(tmp_path / "c.yaml", {
+        "verify": {"kind": "verify", "port": 7000},
+        "coordinator": {"kind": "coordinator", "verify_addresses": "target-host:50052", "model": "tok"}}))
+    link_coordinators(specs)
+    assert specs[1].options["verify_addresses"] == "target-host:50052" and specs[1].options["model"] == "tok"
+    assert "draft_addresses" not in specs[1].options
+    with pytest.raises(ValueError, match="'verify' \\(verify\\) has no option\\(s\\) batch_size"):
+        load_cluster_config(write_config(tmp_path / "bad.yaml", {"verify": {"kind": "verify", "batch_size": 4}}))
+    with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
+        load_cluster_config(write_config(tmp_path / "bad2.yaml", {"verify": {"kind": "verify", "replicas": 0}}))
+    with pytest.raises(ValueError, match="device lists 1 values for 2 replica"):
+        load_cluster_config(write_config(tmp_path / "bad4.yaml", {"verify": {"kind": "verify", "replicas": 2, "device": ["cuda:0"]}}))
+    with pytest.raises(ValueError, match="unknown kind 'gateway'"):
+        load_cluster_config(write_config(tmp_path / "bad3.yaml", {"gw": {"kind": "gateway"}}))
+
+
+def shipped_configs():
+    return sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", shipped_configs(), ids=lambda p: p.name)
+def test_shipped_configs_load_with_a_coordinator(path):
+    specs = load_cluster_config(path)
+    link_coordinators(specs)
+    coordinator = next(s for s in specs if s.kind == "coordinator")
+    assert coordinator.options["verify_addresses"]
+    assert all(s.torch_threads >= 1 for s in specs)
+
+
+class Launcher:
+    """`python -m client.cluster` as `make run-cluster` runs it; its stdout read line by line (a thread:
+    select() on a buffered pipe would miss lines already read into the buffer)."""
+
+    def __init__(self, config, log_dir):
+        self.log_dir = log_dir
+        self.process = subprocess.Popen([sys.executable, "-m", "client.cluster", "--config", str(config), "--log-dir",
+                                         str(log_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.process.stdout:
+            self.queue.put(line)
+        self.queue.put(None)
+
+    def read_until(self, text: str, timeout_s: float = 120.0) -> list[str]:
+        deadline_s = time.monotonic() + timeout_s
+        while not self.lines or text not in self.lines[-1]:
+            try:
+                line = self.queue.get(timeout=max(0.0, deadline_s - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                logs = "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(self.log_dir.glob("*.log")))
+                raise AssertionError(f"no {text!r} from run-cluster:\n" + "".join(self.lines) + logs)
+            self.lines.append(line)
+        return self.lines
+
+    def rest(self) -> str:
+        """Everything printed after the lines read so far (once the process has exited)."""
+        return "".join(iter(lambda: self.queue.get(timeout=5) or "", ""))
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("run-cluster")
+    target = str(tiny_model_dir("llama", init_std=0.2))
+    config = write_config(folder / "cluster.yaml", defaults={"model": target, "device": "cpu", "dtype": "float64", "port": 0}, services={
+        "verify": {"kind": "verify", "replicas": 2, "metrics_port": 0, "fused_drafter": "ngram", "torch_threads": 1},
+        "coordinator": {"kind": "coordinator", "default_drafter": "ngram"},
+    })
+    launcher = Launcher(config, folder)
+    try:
+        launcher.read_until("serving; Ctrl-C to stop")
+        services = {m[1]: (m[2], m[3], int(m[4]), m[5]) for m in (LISTENING.match(line) for line in launcher.lines) if m}
+        yield launcher, services, target
+    finally:
+        if launcher.process.poll() is None:
+            launcher.process.kill()
+            launcher.process.wait()
+
+
+def test_run_cluster_prints_every_process_and_a_sample_command(launched):
+    launcher, services, _ = launched
+    assert {name: kind for name, (kind, *_) in services.items()} == {"verify-0": "verify", "verify-1": "verify",
+                                                                     "coordinator": "coordinator"}
+    coordinator = services["coordinator"][1]
+    assert f"verify [{services['verify-0'][1]},{services['verify-1'][1]}]" in services["coordinator"][3]
+    assert all("/metrics" in services[name][3] for name in ("verify-0", "verify-1"))
+    text = "".join(launcher.lines)
+    assert f'generate "Explain how a rainbow forms." --address {coordinator}' in text
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc")
+def test_each_process_gets_its_torch_threads(launched):
+    _, services, _ = launched
+    for name, (_, _, pid, _) in services.items():
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        assert b"OMP_NUM_THREADS=1" in environ, name  # verify: torch_threads 1; the coordinator: 1 by default
+
+
+def test_requests_spread_over_replicas_and_equal_greedy(launched):
+    _, services, target = launched
+
+    async def run_all():
+        async with CoordinatorClient(services["coordinator"][1]) as client:
+            jobs = [client.collect(PROMPT, mode=mode, max_new_tokens=16) for mode in ("fused", "speculative") * 3]
+            results = await asyncio.gather(*jobs)
+            for _ in range(100):  # the last chunk may arrive before the coordinator releases the replica
+                stats = await client.stats()
+                if all(r.in_flight == 0 for r in stats.replicas):
+                    break
+                await asyncio.sleep(0.05)
+            return results, stats
+
+    results, stats = asyncio.run(run_all())
+    from transformers import AutoTokenizer
+
+    prompt_ids = AutoTokenizer.from_pretrained(target).encode(PROMPT, add_special_tokens=False)
+    expected = generate(TargetVerifier(load_engine(target, dtype="float64")), None, prompt_ids,
+                        SamplingParams(temperature=0, max_new_tokens=16)).token_ids
+    assert all(r.token_ids == expected and not r.error_message for r in results)
+    assert {r.stats.drafter for r in results} == {"fused", "ngram"}  # no Draft service: n-grams in the coordinator
+    assert sorted(r.address for r in stats.replicas if r.kind == "verify") == sorted(
+        services[name][1] for name in ("verify-0", "verify-1"))
+    assert all(r.healthy and r.in_flight == 0 for r in stats.replicas)
+    opened = []
+    for name in ("verify-0", "verify-1"):
+        url = re.search(r"metrics (http://\S+/metrics)", services[name][3])[1]
+        page = urllib.request.urlopen(url, timeout=5).read().decode()
+        opened.append(sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                          if line.startswith("specmesh_requests_total{") and 'method="OpenSession"' in line))
+    assert all(count > 0 for count in opened), opened  # JSQ(2) used both replicas
+
+
+def test_ctrl_c_stops_every_process(launched):
+    launcher, services, _ = launched
+    launcher.process.send_signal(signal.SIGINT)
+    assert launcher.process.wait(30) == 0
+    assert "stopping" in launcher.rest()
+    for _, _, pid, _ in services.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
