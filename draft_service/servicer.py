@@ -76,7 +76,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         self.batcher = WindowBatcher(
             self.engine_thread, self._run_batch, options.batch_window_ms, options.max_batch_sessions,
             on_batch=lambda calls: metrics.batch_size.observe(len(calls)),
-            on_queue_depth=metrics.queue_depth.set,
+            on_queue_depth=metrics.queue_depth.set, expected_callers=lambda: self.num_sessions,
         )
 
     def drafter_for(self, q_dtype: torch.dtype) -> Drafter:

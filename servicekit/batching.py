@@ -6,6 +6,8 @@
 `run_batch(payloads) -> results` runs on the engine thread and returns one result per payload, in
 order; a result that is an Exception is raised in that caller only. Batches are taken first in, first
 out, up to `max_batch_cost` (at least one call per batch, however costly), so no caller starves.
+With `expected_callers` (e.g. the open sessions), the window is skipped once that many calls are
+queued: a lone session never waits for company that cannot come.
 While the engine runs one batch, new calls queue up and ride in the next (continuous batching). A
 caller cancelled while waiting is skipped; one cancelled during its batch gets no result.
 """
@@ -30,6 +32,7 @@ class WindowBatcher:
         cost: Callable[[Any], int] = lambda payload: 1,
         on_batch: Callable[[Sequence[Any]], None] | None = None,
         on_queue_depth: Callable[[int], None] | None = None,
+        expected_callers: Callable[[], int] | None = None,
     ):
         self.engine_thread = engine_thread
         self.run_batch = run_batch
@@ -38,6 +41,7 @@ class WindowBatcher:
         self.cost = cost
         self.on_batch = on_batch
         self.on_queue_depth = on_queue_depth
+        self.expected_callers = expected_callers
         self._queue: deque[tuple[Any, asyncio.Future]] = deque()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -66,6 +70,9 @@ class WindowBatcher:
             if not future.done():
                 future.set_exception(RuntimeError("the service is shutting down"))
 
+    def _all_expected_queued(self) -> bool:
+        return self.expected_callers is not None and len(self._queue) >= self.expected_callers()
+
     def _report_depth(self) -> None:
         if self.on_queue_depth is not None:
             self.on_queue_depth(len(self._queue))
@@ -90,7 +97,7 @@ class WindowBatcher:
             await self._wakeup.wait()
             self._wakeup.clear()
             while self._queue:
-                if self.window_ms > 0:
+                if self.window_ms > 0 and not self._all_expected_queued():
                     await asyncio.sleep(self.window_ms / 1e3)
                 batch = self._take()
                 if not batch:

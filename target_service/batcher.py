@@ -11,7 +11,7 @@ only the calls it belongs to (the engine rolls a failed forward back completely)
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from servicekit.batching import WindowBatcher
@@ -62,7 +62,7 @@ def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall]) -> l
 
 class VerifyBatcher(WindowBatcher):
     def __init__(self, engine_thread: EngineThread, verifier: TargetVerifier, window_ms: float, max_batch_tokens: int,
-                 metrics: ServiceMetrics):
+                 metrics: ServiceMetrics, expected_callers: Callable[[], int] | None = None):
         def on_batch(calls: Sequence[VerifyCall]) -> None:
             metrics.forwards.inc()
             metrics.batch_size.observe(len(calls))
@@ -71,6 +71,7 @@ class VerifyBatcher(WindowBatcher):
         super().__init__(
             engine_thread, lambda calls: run_verify_batch(verifier, calls), window_ms, max_batch_tokens,
             cost=lambda call: call.num_tokens, on_batch=on_batch, on_queue_depth=metrics.queue_depth.set,
+            expected_callers=expected_callers,
         )
 
     async def verify(self, session: TargetSession, proposal: DraftProposal) -> VerifyResult:

@@ -3,6 +3,8 @@
 Every engine call runs on the service's single engine thread; the servicer only converts and
 delegates: to `TargetVerifier` (through the batcher), to the fused drafter, and to each session's
 `SpeculationState`, which applies the one set of finish rules to every round (Verify and Step alike).
+A session opened with a `SkeletonConstraint` has its rows masked by the plan grammar
+(`target_service.grammars`) in every round, Verify and Step alike.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from specmesh.decoding.verifier import TargetSession, TargetVerifier, validate_p
 from specmesh.models.engine import ContextLengthError
 from specmesh.proto.v1 import verify_pb2, verify_pb2_grpc
 from target_service.batcher import VerifyBatcher, VerifyResult
-from target_service.convert import proposal_from_pb, verify_response
+from target_service.convert import proposal_from_pb, skeleton_format_from_pb, verify_response
+from target_service.grammars import GrammarConstraint, SkeletonGrammars
 from target_service.options import VerifyOptions
 from target_service.sessions import FusedDraft, VerifySession
 
@@ -40,7 +43,9 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.verifier = TargetVerifier(engine)
         metrics.watch_kv(engine.kv_usage)
         self.fused_drafter = fused_drafter
-        self.batcher = VerifyBatcher(self.engine_thread, self.verifier, options.batch_window_ms, options.max_batch_tokens, metrics)
+        self.batcher = VerifyBatcher(self.engine_thread, self.verifier, options.batch_window_ms, options.max_batch_tokens, metrics,
+                                     expected_callers=lambda: self.num_sessions)
+        self.grammars = SkeletonGrammars(model_folder, engine.vocab_size, engine.eos_token_ids, options.skeleton_grammars)
 
     @property
     def vocab_size(self) -> int:
@@ -68,7 +73,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         state.start(target.pending_token_id)
         return VerifySession(target, state, seed)
 
-    async def _prefill(self, prompt: list[int], params: SamplingParams, generator) -> TargetSession:
+    async def _prefill(self, prompt: list[int], params: SamplingParams, generator,
+                       constraint: GrammarConstraint | None = None) -> TargetSession:
         """A new session's target sequence, prefilled, with its first token sampled. With
         `prefill_chunk_tokens`, each chunk is its own engine job: the engine thread runs jobs first in,
         first out, so the batches of other sessions' rounds queued meanwhile run between the chunks and
@@ -78,6 +84,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
 
         def begin() -> TargetSession:
             begun.append(self.verifier.begin(prompt, params, generator))
+            begun[0].constraint = constraint
             return begun[0]
 
         def free() -> None:
@@ -137,14 +144,28 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         if params.stop:
             raise ValueError("the Verify service works on token ids: stop strings are checked by the caller")
         self.quotas.check_prompt(len(prompt))
+        constraint = await self._constraint(request.skeleton, prompt) if request.HasField("skeleton") else None
         generator, seed = make_generator(params.seed, self.engine.device)
         async with self.admission(len(prompt) + 1):
-            target = await self._prefill(prompt, params, generator)
+            target = await self._prefill(prompt, params, generator, constraint)
             session = self._new_session(target, len(prompt), seed)
             session_id = await self.add_session(session)
         return verify_pb2.VerifyOpenSessionResponse(session_id=session_id, first_token_id=target.pending_token_id,
                                                     ttl_ms=self.sessions.ttl_ms, seed=seed,
                                                     finish_reason=FINISH_TO_PB[session.round.finish_reason])
+
+    async def _constraint(self, pb: verify_pb2.SkeletonConstraint, prompt: list[int]) -> GrammarConstraint:
+        """The plan grammar for a new session, its state after the prompt's forced tokens."""
+        fmt = skeleton_format_from_pb(pb, self.options.skeleton_max_points, self.options.skeleton_max_title_bytes,
+                                      self.options.skeleton_max_direct_bytes)
+        if pb.num_forced_tokens > len(prompt):
+            raise ValueError(f"num_forced_tokens {pb.num_forced_tokens} exceeds the prompt's {len(prompt)} tokens")
+        grammar = await asyncio.to_thread(self.grammars.get, fmt)
+        forced = prompt[len(prompt) - pb.num_forced_tokens:]
+        state = grammar.walk(grammar.initial_state(), forced)[-1]
+        if grammar.is_dead(state):
+            raise ValueError(f"the prompt's last {len(forced)} tokens are not the start of a plan in the skeleton format")
+        return GrammarConstraint(grammar, state)
 
     @rpc_method
     async def Verify(self, request: verify_pb2.VerifyRequest, context) -> verify_pb2.VerifyResponse:
@@ -230,12 +251,17 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         append = token_ids_from_pb(request.append_token_ids, self.vocab_size, "append_token_ids")
         child_params = [self._sampling(p) for p in request.child_sampling]
         async with self.session_call(request.session_id) as parent:
-            if len(append) > self.verifier.max_draft_tokens(parent.target):
+            num_prefix = request.num_prefix_tokens or parent.target.num_tokens
+            if num_prefix > parent.target.num_tokens:
+                raise ValueError(f"num_prefix_tokens {num_prefix} exceeds the parent's {parent.target.num_tokens} tokens")
+            if num_prefix < parent.target.num_tokens and not append:
+                raise ValueError("num_prefix_tokens shorter than the parent needs append_token_ids")
+            if num_prefix + len(append) > self.engine.max_context:
                 raise ContextLengthError("append_token_ids do not fit in the context window")
             params = child_params or [parent.target.params] * n
             seeds = [p.seed if child_params else (parent.seed + 1 + i) % 2**63 for i, p in enumerate(params)]
-            async with self.admission(n * (parent.target.num_tokens + len(append)), num_sessions=n):
-                children = await self.engine_thread.run(self._fork, parent, append, params, seeds)
+            async with self.admission(n * (num_prefix + len(append)), num_sessions=n):
+                children = await self.engine_thread.run(self._fork, parent, append, params, seeds, num_prefix)
                 child_ids: list[str] = []
                 try:
                     for child in children:
@@ -246,12 +272,14 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                     raise
         return verify_pb2.ForkResponse(child_session_ids=child_ids, next_token_ids=[c.target.pending_token_id for c in children])
 
-    def _fork(self, parent: VerifySession, append: list[int], params: list[SamplingParams], seeds: list[int]) -> list[VerifySession]:
-        """Engine thread: children share the parent's KV blocks; with `append`, one forward over all
-        children feeds [parent's pending token, *append] and samples each child's next token. A child's
-        rounds count from the fork: everything before its pending token is its prompt."""
+    def _fork(self, parent: VerifySession, append: list[int], params: list[SamplingParams], seeds: list[int],
+              num_prefix: int) -> list[VerifySession]:
+        """Engine thread: children share the parent's KV blocks (its first `num_prefix` tokens); with
+        `append`, one forward over all children feeds [their pending token, *append] and samples each
+        child's next token. A child's rounds count from the fork: everything before its pending token
+        is its prompt."""
         generators = [make_generator(seed, self.engine.device)[0] for seed in seeds]
-        targets = self.verifier.fork(parent.target, params, generators, append)
+        targets = self.verifier.fork(parent.target, params, generators, append, num_prefix)
         return [self._new_session(target, target.num_tokens - 1, seed) for target, seed in zip(targets, seeds)]
 
     @rpc_method

@@ -228,9 +228,11 @@ def test_a_cancelled_call_frees_its_session(cluster):
     with grpc.insecure_channel(address) as ch:
         stub = verify_pb2_grpc.VerifyServiceStub(ch)
         session = stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=list(range(1, 40)))).session_id
-        # the batcher holds calls for 300 ms: a 50 ms deadline cancels the call while it waits
+        idle = stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=[1, 2])).session_id
+        # with another session open, the batcher holds calls for 300 ms: a 50 ms deadline cancels the call while it waits
         code = _code(lambda: stub.Verify(verify_pb2.VerifyRequest(session_id=session, draft_token_ids=[1, 2]), timeout=0.05))
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=idle))
         assert _wait_for(lambda: engine.num_free_blocks == free_before, 5.0)
         assert _code(lambda: stub.Verify(verify_pb2.VerifyRequest(session_id=session))) == grpc.StatusCode.NOT_FOUND
         # a cancelled Generate stream frees its sequence too
