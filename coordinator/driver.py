@@ -18,11 +18,13 @@ supplies the verifier and drafter it steps, as failover wrappers over the gRPC a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import torch
@@ -39,6 +41,8 @@ from specmesh.proto.v1 import draft_pb2_grpc, verify_pb2_grpc
 from specmesh.routing.replica import NoHealthyReplica, Replica
 
 log = logging.getLogger("specmesh.coordinator")
+T = TypeVar("T")
+_BACKGROUND: set[asyncio.Future] = set()  # closes of sessions whose request went away
 
 # codes that indict the replica (or lose the session on it), not the request
 REPLICA_FAILURES = frozenset({
@@ -46,6 +50,23 @@ REPLICA_FAILURES = frozenset({
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
 })
 FAILOVER_SEED_STRIDE = 0x9E3779B97F4A7C15  # a new stream per failover: seed + n * stride (mod 2**63)
+
+
+async def open_or_close_later(opening: Awaitable[T], close: Callable[[T], Awaitable[None]]) -> T:
+    """Await a session open; if the request is cancelled meanwhile, let the open finish and close
+    the session it made (else the service would keep it, and count it in quotas, until its TTL)."""
+    task = asyncio.ensure_future(opening)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        def close_when_opened(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                closing = asyncio.ensure_future(close(done.result()))
+                _BACKGROUND.add(closing)
+                closing.add_done_callback(_BACKGROUND.discard)
+
+        task.add_done_callback(close_when_opened)
+        raise
 
 
 def replica_failed(exc: BaseException) -> bool:
@@ -139,6 +160,10 @@ class FailoverVerifier:
         return VerifyOutcome(accepted_nodes=[], accepted_token_ids=[], final_token_id=first,
                              final_kind=FinalTokenKind.RECOVERED)
 
+    async def _open_on(self, remote: RemoteVerifier, prompt: list[int], params: SamplingParams) -> tuple[str, int]:
+        """OpenSession on one replica: (session id, first token); a subclass may open differently."""
+        return await remote.open(prompt, params)
+
     async def _open_somewhere(self, prompt: list[int], params: SamplingParams) -> tuple[Replica, RemoteVerifier, str, int]:
         """Open on the router's choice, moving on past replicas that fail; NoHealthyReplica at the end."""
         while True:
@@ -146,7 +171,8 @@ class FailoverVerifier:
             remote = RemoteVerifier(verify_pb2_grpc.VerifyServiceStub(self.pool.channel(replica)), timeout_s=self.calls.timeout_s,
                                     sparse_q=self.sparse_q, metadata=self.calls.metadata, info=self._info)
             try:
-                session_id, first = await remote.open(prompt, params)
+                session_id, first = await open_or_close_later(self._open_on(remote, prompt, params),
+                                                              lambda opened: remote.close(opened[0]))  # noqa: B023
                 return replica, remote, session_id, first
             except grpc.aio.AioRpcError as exc:
                 if not replica_failed(exc):
@@ -196,8 +222,9 @@ class FailoverDrafter:
             return handle
         handle.remote = RemoteDrafter(draft_pb2_grpc.DraftServiceStub(self.pool.channel(handle.replica)), q_dtype=self.q_dtype,
                                       sparse_q=self.sparse_q, timeout_s=self.calls.timeout_s, metadata=self.calls.metadata)
+        remote = handle.remote
         try:
-            handle.remote_session = await handle.remote.open(prompt_ids, params)
+            handle.remote_session = await open_or_close_later(remote.open(prompt_ids, params), remote.close)
         except grpc.aio.AioRpcError as exc:
             if not replica_failed(exc):
                 self._drop_remote(handle, failed=False)

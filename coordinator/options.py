@@ -23,6 +23,8 @@ class CoordinatorOptions(ServerOptions):
     q_dtype: str = "float32"  # how draft distributions travel: float32 | float16 | bfloat16
     sparse_q: bool = False  # send only q's support
     call_timeout_s: float = 60.0  # deadline of each downstream call
+    skeleton_max_parallel: int = 4  # skeleton mode: branches decoded at once when the request says 0
+    skeleton_max_points: int = 8  # skeleton mode: the most points a plan may have (the grammar's bound)
     health_interval_s: float = 1.0  # downstream health checks
     downstream_token_file: str = ""  # a file holding the token this coordinator presents downstream
     downstream_tls_ca: str = ""  # PEM roots for downstream TLS ("" = plaintext)

@@ -16,6 +16,7 @@ from servicekit.metrics import ServiceMetrics
 from servicekit.server import ServiceHandle, start_service
 from specmesh.decoding.async_driver import TargetInfo
 from specmesh.proto.v1 import verify_pb2, verify_pb2_grpc
+from specmesh.skeleton.automaton import SkeletonFormat
 
 SERVICE_NAME = "specmesh.v1.CoordinatorService"
 INFO_WAIT_S = 60.0  # how long to wait for a Verify replica to answer GetInfo at start
@@ -28,6 +29,9 @@ def _check(options: CoordinatorOptions) -> None:
         raise ValueError(f"unknown default_drafter {options.default_drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if options.q_dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"q_dtype must be float32, float16 or bfloat16, got {options.q_dtype!r}")
+    if options.skeleton_max_parallel < 1:
+        raise ValueError(f"skeleton_max_parallel must be >= 1, got {options.skeleton_max_parallel}")
+    SkeletonFormat(max_points=options.skeleton_max_points).validate()
     if not parse_addresses(options.verify_addresses):
         raise ValueError("the coordinator needs at least one Verify service (--verify-addresses host:port)")
 

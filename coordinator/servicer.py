@@ -3,37 +3,42 @@
 Each request is one `speculative_stream_async` (the one speculation state) over the failover
 wrappers of `coordinator.driver`. Many requests run at once as asyncio tasks; their Verify calls
 meet in the Verify service's batcher (one target forward for the sessions whose calls arrive
-together) and their Propose calls in the Draft service's. The Coordinator authenticates its callers
+together) and their Propose calls in the Draft service's. Skeleton mode is `coordinator.skeleton`:
+a plan, then branches forked from it, streamed side by side. The Coordinator authenticates its callers
 (the server edge) and calls downstream on their behalf: with its own credentials and the caller as
 `specmesh-end-user`, so session ownership and quotas downstream are per end user.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 
 from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier
 from coordinator.options import DRAFTERS, CoordinatorOptions
 from coordinator.pools import ServicePool
+from coordinator.skeleton import Links, SkeletonAnswer, SkeletonRequest
 from servicekit.auth import ANONYMOUS, END_USER_KEY, current_principal
 from servicekit.convert import FINISH_TO_PB, sampling_from_pb, stats_to_pb
-from servicekit.errors import Downstream, Unavailable, Unimplemented, rpc_method
+from servicekit.errors import Downstream, Unavailable, rpc_method
 from servicekit.metrics import ServiceMetrics
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.async_driver import TargetInfo, speculative_stream_async
+from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.verifier import validate_prompt
 from specmesh.models.chat import chat_messages_ids
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specmesh.routing.replica import NoHealthyReplica
+from specmesh.skeleton.automaton import SkeletonFormat
 
 MODES = {
     coordinator_pb2.GENERATION_MODE_UNSPECIFIED: None,
     coordinator_pb2.GENERATION_MODE_SPECULATIVE: "speculative",
     coordinator_pb2.GENERATION_MODE_FUSED: "fused",
     coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE: "autoregressive",
+    coordinator_pb2.GENERATION_MODE_SKELETON: "skeleton",
 }
 
 
@@ -71,8 +76,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return validate_prompt(ids, self.info.max_context, self.info.vocab_size)
 
     def _mode_and_drafter(self, request: coordinator_pb2.GenerateRequest) -> tuple[str, str]:
-        if request.mode == coordinator_pb2.GENERATION_MODE_SKELETON:
-            raise Unimplemented("Skeleton-of-Thought mode is not served yet")
         if request.mode not in MODES:
             raise ValueError(f"unknown generation mode {request.mode}")
         mode = MODES[request.mode] or self.options.default_mode
@@ -93,6 +96,32 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         prompt_ids = self._prompt_ids(request)
         params = sampling_from_pb(request.sampling, self.info.vocab_size, self.options.default_max_new_tokens)
         calls, failovers = self._calls(context), Failovers()
+        if mode == "skeleton":
+            responses = self._skeleton(request, prompt_ids, params, calls, failovers, drafter_kind)
+        else:
+            responses = self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers)
+        self.num_requests += 1
+        self.num_active += 1
+        finished = False
+        try:
+            async for response in responses:
+                finished = response.branch_id == -1 and response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                yield response
+        except NoHealthyReplica as exc:
+            raise Unavailable(f"no healthy replica: {exc}") from exc
+        except grpc.aio.AioRpcError as exc:
+            raise Downstream(exc.code(), f"downstream: {exc.details()}") from exc
+        finally:
+            await responses.aclose()
+            self.num_active -= 1
+            self.num_failovers += len(failovers.events)
+            if not finished:
+                self.num_failed += 1
+
+    async def _plain(self, request: coordinator_pb2.GenerateRequest, mode: str, drafter_kind: str, prompt_ids: list[int],
+                     params: SamplingParams, calls: Calls,
+                     failovers: Failovers) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
+        """The speculative, fused and autoregressive modes: one stream, on the main branch (-1)."""
         verifier = FailoverVerifier(self.verify, self.info, calls, failovers, sparse_q=self.options.sparse_q)
         drafter = None
         if mode == "speculative":
@@ -101,27 +130,37 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         k_policy = FixedK(request.num_draft_tokens) if request.num_draft_tokens and mode != "autoregressive" else None
         stream = speculative_stream_async(verifier, drafter, prompt_ids, params, k_policy=k_policy, decode=self._decode,
                                           fused=mode == "fused")
-        self.num_requests += 1
-        self.num_active += 1
-        finished = False
         try:
             async for event in stream:
                 response = coordinator_pb2.GenerateResponse(text=event.text, token_ids=event.token_ids, branch_id=-1)
                 if event.finish_reason is not None:
-                    finished = True
                     response.finish_reason = FINISH_TO_PB[event.finish_reason]
                     response.stats.CopyFrom(self._final_stats(event.stats, mode, drafter, failovers))
                 yield response
-        except NoHealthyReplica as exc:
-            raise Unavailable(f"no healthy replica: {exc}") from exc
-        except grpc.aio.AioRpcError as exc:
-            raise Downstream(exc.code(), f"downstream: {exc.details()}") from exc
         finally:
             await stream.aclose()
-            self.num_active -= 1
-            self.num_failovers += len(failovers.events)
-            if not finished:
-                self.num_failed += 1
+
+    def _skeleton(self, request: coordinator_pb2.GenerateRequest, prompt_ids: list[int], params: SamplingParams, calls: Calls,
+                  failovers: Failovers, drafter_kind: str) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
+        """Skeleton-of-Thought (`coordinator.skeleton`) for this request."""
+        which = request.WhichOneof("input")
+        question = request.prompt if which == "prompt" else next(
+            (m.content for m in reversed(request.chat.messages) if m.role == "user"), request.chat.messages[-1].content)
+        max_parallel = request.max_parallel or self.options.skeleton_max_parallel
+        links = Links(self.verify, self.draft, self.info, calls, failovers,
+                      use_draft_service=drafter_kind == "service" and bool(self.draft), q_dtype=self.q_dtype,
+                      sparse_q=self.options.sparse_q,
+                      k_policy=lambda: FixedK(request.num_draft_tokens) if request.num_draft_tokens else None)
+
+        def final_stats(stats: SpecStats) -> common_pb2.SpeculationStats:
+            pb = self._final_stats(stats, "skeleton", None, failovers)
+            pb.drafter = links.drafter_names
+            return pb
+
+        answer = SkeletonAnswer(SkeletonRequest(question, prompt_ids, params, SkeletonFormat(self.options.skeleton_max_points),
+                                                max_parallel, request.skeleton_prefix, list(request.documents)),
+                                self.tokenizer, links, final_stats)
+        return answer.responses()
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

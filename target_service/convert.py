@@ -7,6 +7,7 @@ from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.state import FinishReason
 from specmesh.decoding.types import VerifyOutcome
 from specmesh.proto.v1 import verify_pb2
+from specmesh.skeleton.automaton import DEFAULT_FORMAT, SkeletonFormat
 
 
 def proposal_from_pb(request: verify_pb2.VerifyRequest, vocab_size: int) -> DraftProposal:
@@ -26,3 +27,18 @@ def verify_response(session_id: str, outcome: VerifyOutcome, is_tree: bool, batc
         accepted_tree_nodes=outcome.accepted_nodes if is_tree else [], batch_size=batch_size, verify_ms=verify_ms,
         finish_reason=FINISH_TO_PB[finish],
     )
+
+
+def skeleton_format_from_pb(pb: verify_pb2.SkeletonConstraint, max_points: int, max_title_bytes: int,
+                            max_direct_bytes: int) -> SkeletonFormat:
+    """The plan format a constraint asks for (0 = the default bound), within what this service compiles."""
+    fmt = SkeletonFormat(max_points=pb.max_points or DEFAULT_FORMAT.max_points,
+                         max_title_bytes=pb.max_title_bytes or DEFAULT_FORMAT.max_title_bytes,
+                         max_est_digits=pb.max_est_digits or DEFAULT_FORMAT.max_est_digits,
+                         max_direct_bytes=pb.max_direct_bytes or DEFAULT_FORMAT.max_direct_bytes)
+    fmt.validate()
+    for name, value, limit in (("max_points", fmt.max_points, max_points), ("max_title_bytes", fmt.max_title_bytes, max_title_bytes),
+                               ("max_direct_bytes", fmt.max_direct_bytes, max_direct_bytes)):
+        if value > limit:
+            raise ValueError(f"skeleton {name} {value} exceeds this service's limit of {limit}")
+    return fmt

@@ -22,3 +22,7 @@ class VerifyOptions(ServerOptions, ModelOptions, QuotaOptions):
     fused_drafter_model: str = ""  # model spec of the fused model drafter; "" = the target's own weights
     fused_drafter_dtype: str = "bfloat16"  # dtype of the fused model drafter (self-draft at lower precision)
     default_max_new_tokens: int = 256  # Generate's max_new_tokens when the request says 0
+    skeleton_max_points: int = 32  # largest plan a constrained session may ask for (compile time grows with it)
+    skeleton_max_title_bytes: int = 200
+    skeleton_max_direct_bytes: int = 1000
+    skeleton_grammars: int = 8  # compiled plan formats kept

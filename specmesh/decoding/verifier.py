@@ -17,6 +17,10 @@ Worked example (greedy, prompt of 4 tokens, k = 3):
 `verify_many` verifies several sessions in ONE ragged engine forward and accepts the whole batch in
 one vectorised call (`specmesh.decoding.acceptance`); `verify` is the batch of one.
 
+A session may carry a `LogitsConstraint` (e.g. a grammar): its rows are masked by `constrain`
+before acceptance, so acceptance is exact for the constrained model, and `commit` is told what the
+round emitted. The first token (the prefill's row) is constrained too; fork children are not.
+
 Chunked prefill (a long prompt fed in pieces, so a service can run other sessions' rounds between
 them): `begin` makes the session with nothing cached, each `prefill_chunk` caches the next piece (a
 forward that asks for no logits) but never the last prompt token, and the final
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -43,6 +48,19 @@ from specmesh.decoding.types import NO_PARENT, VerifyOutcome
 from specmesh.models.engine import ContextLengthError, Engine, SeqInput
 
 
+class LogitsConstraint(Protocol):
+    """Per-session state of an output constraint; called on the engine thread."""
+
+    def constrain(self, rows: torch.Tensor, proposal: DraftProposal) -> torch.Tensor:
+        """rows [1 + k, vocab]: the target's logits after the pending token and after each draft node
+        -> the same rows with the refused tokens at -inf."""
+        ...
+
+    def commit(self, token_ids: Sequence[int]) -> None:
+        """The round emitted `token_ids` (accepted draft tokens, then the final token)."""
+        ...
+
+
 @dataclass
 class TargetSession:
     seq_id: int
@@ -51,6 +69,7 @@ class TargetSession:
     token_ids: list[int]  # prompt + emitted tokens; after the first forward the last one is pending
     num_cached: int = 0  # leading token_ids held in the engine's KV
     num_forwards: int = 0  # target forwards this session took part in
+    constraint: LogitsConstraint | None = None  # masks this session's rows (module docstring)
 
     @property
     def pending_token_id(self) -> int:
@@ -141,9 +160,13 @@ class TargetVerifier:
         `keep_logits` puts the logits that judged each emitted token in `VerifyOutcome.logits`."""
         inputs = [self._forward_input(s, pr) for s, pr in zip(sessions, proposals)]
         logits = self.engine.forward(inputs)
+        logits = [rows if s.constraint is None else s.constraint.constrain(rows, pr)
+                  for s, pr, rows in zip(sessions, proposals, logits)]
         outcomes = accept_batch(logits, proposals, [s.params for s in sessions], [s.generator for s in sessions])
         for session, proposal, outcome, rows in zip(sessions, proposals, outcomes, logits):
             self._advance(session, proposal, outcome)
+            if session.constraint is not None:
+                session.constraint.commit(outcome.token_ids)
             if keep_logits:
                 outcome.logits = rows[outcome.judging_rows]
         return outcomes
@@ -154,24 +177,35 @@ class TargetVerifier:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
         append_token_ids: Sequence[int] = (),
+        num_prefix_tokens: int | None = None,
     ) -> list[TargetSession]:
         """Child sessions sharing the parent's KV (copy-on-write), one per params/generator.
 
         Children start where the parent is (same tokens, same pending token). With `append_token_ids`,
         one forward over all children feeds [pending, *append_token_ids] and samples each child's next
         token under its own params — e.g. Skeleton-of-Thought branches that each begin with their
-        point's header. The parent is unchanged either way.
+        point's header. With `num_prefix_tokens` = n, children keep only the parent's first n tokens
+        (`rewind`) before the append, which is then required: e.g. a branch prompt that shares the
+        skeleton session's first n tokens. The parent is unchanged either way.
         """
         append = [int(t) for t in append_token_ids]
-        if len(append) > self.max_draft_tokens(parent):
+        num_prefix = parent.num_tokens if num_prefix_tokens is None else num_prefix_tokens
+        if not 1 <= num_prefix <= parent.num_tokens:
+            raise ValueError(f"num_prefix_tokens must be in [1, {parent.num_tokens}], got {num_prefix}")
+        if num_prefix < parent.num_tokens and not append:
+            raise ValueError("children cut to a prefix of the parent need append_token_ids to sample from")
+        if num_prefix + len(append) > self.engine.max_context:
             raise ContextLengthError(f"{len(append)} appended tokens do not fit in the context window")
         children: list[TargetSession] = []
         try:
             for child_params, generator in zip(params, generators):
-                children.append(TargetSession(
-                    self.engine.fork(parent.seq_id), child_params, generator, [*parent.token_ids, *append],
-                    parent.num_cached,
-                ))
+                child = TargetSession(self.engine.fork(parent.seq_id), child_params, generator, list(parent.token_ids),
+                                      parent.num_cached)
+                children.append(child)
+                if num_prefix < parent.num_tokens:
+                    self.rewind(child, [*parent.token_ids[:num_prefix], *append])
+                else:
+                    child.token_ids.extend(append)
             if append:
                 self.verify_many(children, [DraftProposal(token_ids=[])] * len(children))
         except BaseException:

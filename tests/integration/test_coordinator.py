@@ -173,8 +173,6 @@ def test_bad_requests_get_clear_codes(cluster):
     assert _run(code(coordinator_pb2.GenerateRequest())) == grpc.StatusCode.INVALID_ARGUMENT
     assert _run(code(_request(PROMPT, "speculative", "bogus"))) == grpc.StatusCode.INVALID_ARGUMENT
     assert _run(code(_request(PROMPT, "speculative", top_p=float("nan"), temperature=1.0))) == grpc.StatusCode.INVALID_ARGUMENT
-    skeleton = coordinator_pb2.GenerateRequest(prompt=PROMPT, mode=coordinator_pb2.GENERATION_MODE_SKELETON)
-    assert _run(code(skeleton)) == grpc.StatusCode.UNIMPLEMENTED
 
 
 def _stream_with_failure(cluster: Cluster, request, kill, after_tokens: int = 10):

@@ -91,6 +91,9 @@ class GenerateRequest(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     DRAFTER_FIELD_NUMBER: _builtins.int
+    MAX_PARALLEL_FIELD_NUMBER: _builtins.int
+    DOCUMENTS_FIELD_NUMBER: _builtins.int
+    SKELETON_PREFIX_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """raw text, tokenized as-is"""
     mode: Global___GenerationMode.ValueType
@@ -100,12 +103,26 @@ class GenerateRequest(_message.Message):
     """optional, echoed in stats and logs"""
     drafter: _builtins.str
     """speculative mode: "service" (the Draft service), "ngram" (prompt"""
+    max_parallel: _builtins.int
+    """lookup in the coordinator); "" = the coordinator's default
+    (skeleton mode: the skeleton's and every branch's drafter)
+    Skeleton mode. The question is the prompt, or the last user message of a chat (earlier turns
+    are not carried into the plan); sampling applies to the skeleton and to every branch, and
+    max_new_tokens bounds each branch (and a direct answer), not the whole answer.
+    branches decoded at once; 0 = the coordinator's default
+    """
+    skeleton_prefix: _builtins.str
+    """forced start of the plan, e.g. "[PLAN]\\n" (the grammar must"""
     @_builtins.property
     def chat(self) -> Global___ChatMessages:
         """rendered with the model's chat template"""
 
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def documents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """texts a <Search> point's prompt takes passages from (BM25)"""
+
     def __init__(
         self,
         *,
@@ -116,10 +133,13 @@ class GenerateRequest(_message.Message):
         num_draft_tokens: _builtins.int = ...,
         request_id: _builtins.str = ...,
         drafter: _builtins.str = ...,
+        max_parallel: _builtins.int = ...,
+        documents: _abc.Iterable[_builtins.str] | None = ...,
+        skeleton_prefix: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "drafter", b"drafter", "input", b"input", "mode", b"mode", "num_draft_tokens", b"num_draft_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "documents", b"documents", "drafter", b"drafter", "input", b"input", "max_parallel", b"max_parallel", "mode", b"mode", "num_draft_tokens", b"num_draft_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "skeleton_prefix", b"skeleton_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
@@ -149,6 +169,16 @@ Global___ChatMessages: _TypeAlias = ChatMessages  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
+    """Skeleton mode streams several branches in one response stream, each message tagged with its
+    branch_id: 0 = the skeleton (the plan as the model writes it), i >= 1 = point i's branch (its first
+    message's text is the point's header line "i. Title\\n"), -1 = the main stream: the answer. Once
+    every branch has ended, one -1 message carries the whole merged answer (points in plan order,
+    "i. Title" then the point's text, plan markers stripped), finish_reason, the stats of all rounds
+    and `skeleton`. When the model plans no points ([DIRECT], or an unusable plan) the answer is
+    decoded plainly from the request's own prompt and streams on -1 like any other mode. A client
+    that wants only the answer reads the -1 messages; the other modes send -1 only.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
@@ -157,12 +187,15 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    SKELETON_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """new text since the previous message of this branch"""
     branch_id: _builtins.int
-    """skeleton mode: which point; -1 = the skeleton / main stream"""
+    """-1 = the main stream (the answer); skeleton mode: 0 = the"""
     finish_reason: _common_pb2.FinishReason.ValueType
-    """set on the last message of a branch (and of the stream)"""
+    """plan, i >= 1 = point i
+    set on the last message of a branch (and of the stream)
+    """
     error_message: _builtins.str
     """in-band error: this branch failed, others go on"""
     @_builtins.property
@@ -171,7 +204,11 @@ class GenerateResponse(_message.Message):
 
     @_builtins.property
     def stats(self) -> _common_pb2.SpeculationStats:
-        """on the last message"""
+        """on the last message of a branch (and of the stream)"""
+
+    @_builtins.property
+    def skeleton(self) -> Global___SkeletonStats:
+        """skeleton mode: on the last message of the stream"""
 
     def __init__(
         self,
@@ -182,14 +219,127 @@ class GenerateResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         stats: _common_pb2.SpeculationStats | None = ...,
         error_message: _builtins.str = ...,
+        skeleton: Global___SkeletonStats | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["skeleton", b"skeleton", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["branch_id", b"branch_id", "error_message", b"error_message", "finish_reason", b"finish_reason", "stats", b"stats", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["branch_id", b"branch_id", "error_message", b"error_message", "finish_reason", b"finish_reason", "skeleton", b"skeleton", "stats", b"stats", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class SkeletonStats(_message.Message):
+    """How a Skeleton-of-Thought answer went (the last message of a skeleton-mode stream)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTE_REASON_FIELD_NUMBER: _builtins.int
+    DIRECT_REASON_FIELD_NUMBER: _builtins.int
+    SKELETON_MS_FIELD_NUMBER: _builtins.int
+    NUM_SKELETON_TOKENS_FIELD_NUMBER: _builtins.int
+    BRANCHES_MS_FIELD_NUMBER: _builtins.int
+    TOTAL_MS_FIELD_NUMBER: _builtins.int
+    BRANCHES_FIELD_NUMBER: _builtins.int
+    MAX_PARALLEL_FIELD_NUMBER: _builtins.int
+    PARALLEL_SPEEDUP_ESTIMATE_FIELD_NUMBER: _builtins.int
+    NUM_PREFILLED_BRANCHES_FIELD_NUMBER: _builtins.int
+    route_reason: _builtins.str
+    """why SoT was chosen (e.g. "requested")"""
+    direct_reason: _builtins.str
+    """set when no branches ran: why (the model chose [DIRECT], a parse error)"""
+    skeleton_ms: _builtins.float
+    """request start -> the plan parsed"""
+    num_skeleton_tokens: _builtins.int
+    """tokens the model wrote for the plan (EOS included)"""
+    branches_ms: _builtins.float
+    """first branch started -> last branch ended"""
+    total_ms: _builtins.float
+    max_parallel: _builtins.int
+    parallel_speedup_estimate: _builtins.float
+    """(skeleton_ms + the sum of the branches' wall_ms) / total_ms:"""
+    num_prefilled_branches: _builtins.int
+    """the gain over writing the branches one after another if each
+    took as long alone as beside its siblings. Alone a branch is
+    no slower, so this bounds the real gain from above
+    (bench/skeleton.py measures the real one)
+    branches opened with a full prefill instead of a fork
+    """
+    @_builtins.property
+    def branches(self) -> _containers.RepeatedCompositeFieldContainer[Global___BranchStats]:
+        """in plan order"""
+
+    def __init__(
+        self,
+        *,
+        route_reason: _builtins.str = ...,
+        direct_reason: _builtins.str = ...,
+        skeleton_ms: _builtins.float = ...,
+        num_skeleton_tokens: _builtins.int = ...,
+        branches_ms: _builtins.float = ...,
+        total_ms: _builtins.float = ...,
+        branches: _abc.Iterable[Global___BranchStats] | None = ...,
+        max_parallel: _builtins.int = ...,
+        parallel_speedup_estimate: _builtins.float = ...,
+        num_prefilled_branches: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["branches", b"branches", "branches_ms", b"branches_ms", "direct_reason", b"direct_reason", "max_parallel", b"max_parallel", "num_prefilled_branches", b"num_prefilled_branches", "num_skeleton_tokens", b"num_skeleton_tokens", "parallel_speedup_estimate", b"parallel_speedup_estimate", "route_reason", b"route_reason", "skeleton_ms", b"skeleton_ms", "total_ms", b"total_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SkeletonStats: _TypeAlias = SkeletonStats  # noqa: Y015
+
+@_typing.final
+class BranchStats(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POINT_ID_FIELD_NUMBER: _builtins.int
+    TITLE_FIELD_NUMBER: _builtins.int
+    EST_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_ROUNDS_FIELD_NUMBER: _builtins.int
+    START_MS_FIELD_NUMBER: _builtins.int
+    WALL_MS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    point_id: _builtins.int
+    title: _builtins.str
+    est_tokens: _builtins.int
+    """the plan's estimate"""
+    num_tokens: _builtins.int
+    """tokens the branch generated"""
+    num_rounds: _builtins.int
+    """target forwards of the branch"""
+    start_ms: _builtins.float
+    """since the request started"""
+    wall_ms: _builtins.float
+    """the branch's own wall time"""
+    finish_reason: _common_pb2.FinishReason.ValueType
+    """FINISH_REASON_ERROR with error_message when it failed"""
+    error_message: _builtins.str
+    def __init__(
+        self,
+        *,
+        point_id: _builtins.int = ...,
+        title: _builtins.str = ...,
+        est_tokens: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        num_rounds: _builtins.int = ...,
+        start_ms: _builtins.float = ...,
+        wall_ms: _builtins.float = ...,
+        finish_reason: _common_pb2.FinishReason.ValueType = ...,
+        error_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "est_tokens", b"est_tokens", "finish_reason", b"finish_reason", "num_rounds", b"num_rounds", "num_tokens", b"num_tokens", "point_id", b"point_id", "start_ms", b"start_ms", "title", b"title", "wall_ms", b"wall_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BranchStats: _TypeAlias = BranchStats  # noqa: Y015
 
 @_typing.final
 class GetStatsRequest(_message.Message):

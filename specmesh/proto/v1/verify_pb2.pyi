@@ -25,6 +25,7 @@ class VerifyOpenSessionRequest(_message.Message):
 
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    SKELETON_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[prompt_len]"""
@@ -33,19 +34,67 @@ class VerifyOpenSessionRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """fixes the processing of p and the session's generator seed"""
 
+    @_builtins.property
+    def skeleton(self) -> Global___SkeletonConstraint:
+        """optional: the session writes a Skeleton-of-Thought plan"""
+
     def __init__(
         self,
         *,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
+        skeleton: Global___SkeletonConstraint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "skeleton", b"skeleton"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "skeleton", b"skeleton"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___VerifyOpenSessionRequest: _TypeAlias = VerifyOpenSessionRequest  # noqa: Y015
+
+@_typing.final
+class SkeletonConstraint(_message.Message):
+    """A grammar constraint on a session's output: the Skeleton-of-Thought plan format
+    ("[PLAN]\\n1.<est_tokens><tool>[deps]Title\\n...[END]" or "[DIRECT]reason[END]", then EOS). Every
+    target distribution the session samples from (the first token, each Verify and Step row) is masked
+    to the tokens the grammar allows there and renormalised, so verification is exact for the
+    constrained model, whatever the drafter; EOS is allowed only once the plan is complete, so the
+    session ends on EOS within the grammar's bound on tokens (send max_new_tokens >= that bound and
+    ignore_eos = false). Bounds of 0 take the defaults (8 points, 60 title bytes, 3 est_tokens digits,
+    200 direct-reason bytes); the service caps what it compiles (a bound too large: INVALID_ARGUMENT).
+    Children of a Fork are not constrained.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_POINTS_FIELD_NUMBER: _builtins.int
+    MAX_TITLE_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_EST_DIGITS_FIELD_NUMBER: _builtins.int
+    MAX_DIRECT_BYTES_FIELD_NUMBER: _builtins.int
+    NUM_FORCED_TOKENS_FIELD_NUMBER: _builtins.int
+    max_points: _builtins.int
+    max_title_bytes: _builtins.int
+    max_est_digits: _builtins.int
+    max_direct_bytes: _builtins.int
+    num_forced_tokens: _builtins.int
+    """the last n prompt tokens are already plan output (a forced"""
+    def __init__(
+        self,
+        *,
+        max_points: _builtins.int = ...,
+        max_title_bytes: _builtins.int = ...,
+        max_est_digits: _builtins.int = ...,
+        max_direct_bytes: _builtins.int = ...,
+        num_forced_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_direct_bytes", b"max_direct_bytes", "max_est_digits", b"max_est_digits", "max_points", b"max_points", "max_title_bytes", b"max_title_bytes", "num_forced_tokens", b"num_forced_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SkeletonConstraint: _TypeAlias = SkeletonConstraint  # noqa: Y015
 
 @_typing.final
 class VerifyOpenSessionResponse(_message.Message):
@@ -301,8 +350,11 @@ class ForkRequest(_message.Message):
     its round_index starts at 0. Without child_sampling, child i is seeded with parent seed + 1 + i.
     With append_token_ids, one forward feeds [pending, *append_token_ids] to every child and samples
     each child's next token, reported in next_token_ids (the child's new pending token); without,
-    next_token_ids repeats the parent's pending token. num_children is bounded by the service
-    (GetInfo.max_fork_children); a Fork that fails creates no child.
+    next_token_ids repeats the parent's pending token. With num_prefix_tokens = n, the children keep
+    only the parent's first n tokens (their KV shared), then append_token_ids (required then, unless n
+    is the parent's whole length): e.g. a Skeleton-of-Thought branch whose prompt shares the skeleton
+    session's first n tokens. num_children is bounded by the service (GetInfo.max_fork_children);
+    a Fork that fails creates no child.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -311,10 +363,13 @@ class ForkRequest(_message.Message):
     NUM_CHILDREN_FIELD_NUMBER: _builtins.int
     CHILD_SAMPLING_FIELD_NUMBER: _builtins.int
     APPEND_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    NUM_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """parent"""
     num_children: _builtins.int
     """how many children to create"""
+    num_prefix_tokens: _builtins.int
+    """the parent's leading tokens the children keep; 0 = all"""
     @_builtins.property
     def child_sampling(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.SamplingParams]:
         """optional per child; defaults to the parent's"""
@@ -330,10 +385,11 @@ class ForkRequest(_message.Message):
         num_children: _builtins.int = ...,
         child_sampling: _abc.Iterable[_common_pb2.SamplingParams] | None = ...,
         append_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_prefix_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_token_ids", b"append_token_ids", "child_sampling", b"child_sampling", "num_children", b"num_children", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_token_ids", b"append_token_ids", "child_sampling", b"child_sampling", "num_children", b"num_children", "num_prefix_tokens", b"num_prefix_tokens", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

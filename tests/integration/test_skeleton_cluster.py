@@ -1,0 +1,246 @@
+"""Skeleton-of-Thought through the live cluster (in-process Verify, Draft and Coordinator services on
+loopback, tiny random model): a streamed plan, >= 3 branches forked from the plan's session and
+decoded side by side, the merged answer; every output compared token for token with target-only
+decoding in-process (float64 engine).
+
+What is forced: the tiny random model writes no useful plan on its own (it tends to pick [DIRECT]),
+so the requests force the plan's start with `skeleton_prefix` (three points); the model writes the
+rest under the grammar (more points or [END], then EOS). The tiny model's context is raised from 512
+to 4096 positions (RoPE: nothing is learned per position), since the skeleton prompt alone is ~620
+tokens with the tiny tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import grpc
+import pytest
+
+from client.wire_loop import channel
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.speculative import generate
+from specmesh.decoding.verifier import TargetVerifier
+from specmesh.models.chat import chat_messages_ids
+from specmesh.models.engine import SeqInput
+from specmesh.models.load import load_engine
+from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc
+from specmesh.skeleton.automaton import SkeletonFormat
+from specmesh.skeleton.grammar import SkeletonGrammar
+from specmesh.skeleton.merge import merge, section_header
+from specmesh.skeleton.parse import parse_skeleton
+from specmesh.skeleton.prompts import point_messages, skeleton_messages
+from specmesh.skeleton.types import Skeleton
+from tests.integration.test_coordinator import Cluster
+
+TIMEOUT_S = 60
+QUESTION = "What are some tips for better sleep?"
+FORCED_PLAN = "[PLAN]\n1.<12><None>[-]Sleep\n2.<12><None>[-]Food\n3.<12><None>[1]Move\n"  # the model goes on
+FORMAT = SkeletonFormat(max_points=8)  # the coordinator's default skeleton_max_points
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("skeleton") / "tiny-llama-4k"
+    shutil.copytree(tiny_model_dir("llama", init_std=0.2), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target)
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    """The in-process reference: target-only decoding on a float64 engine."""
+    return load_engine(target, dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def cluster(target):
+    with Cluster(target) as c:
+        yield c
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+def _request(prefix: str = FORCED_PLAN, **sampling) -> coordinator_pb2.GenerateRequest:
+    sampling = {"temperature": 0.0, "max_new_tokens": 20, **sampling}
+    return coordinator_pb2.GenerateRequest(prompt=QUESTION, mode=coordinator_pb2.GENERATION_MODE_SKELETON, drafter="ngram",
+                                           skeleton_prefix=prefix, max_parallel=4, sampling=common_pb2.SamplingParams(**sampling))
+
+
+async def _stream(address: str, request) -> list[coordinator_pb2.GenerateResponse]:
+    async with channel(address) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+        return [r async for r in stub.Generate(request, timeout=TIMEOUT_S)]
+
+
+def _by_branch(responses) -> dict[int, list[coordinator_pb2.GenerateResponse]]:
+    branches: dict[int, list] = {}
+    for response in responses:
+        branches.setdefault(response.branch_id, []).append(response)
+    return branches
+
+
+def constrained_greedy(engine, grammar: SkeletonGrammar, prompt_ids: list[int], state: int) -> list[int]:
+    """Target-only greedy decoding under the grammar, one token per forward, until EOS."""
+    seq_id, feed, out = engine.new_sequence(), list(prompt_ids), []
+    try:
+        while not out or out[-1] not in grammar.eos_token_ids:
+            logits = engine.forward([SeqInput(seq_id, feed, [len(feed) - 1])])[0]  # [1, vocab]
+            token = int(grammar.constrain_logits(logits, [state]).argmax())
+            state = grammar.advance(state, token)
+            out.append(token)
+            feed = [token]
+    finally:
+        engine.free(seq_id)
+    return out
+
+
+def _plan_texts(branches, tokenizer) -> tuple[str, list[int]]:
+    """The plan's text as streamed, checked against its tokens; and the tokens the model wrote."""
+    plan = branches[0]
+    text = "".join(r.text for r in plan)
+    assert text == tokenizer.decode([t for r in plan for t in r.token_ids], skip_special_tokens=True,
+                                    clean_up_tokenization_spaces=False)
+    return text, [t for r in plan[1:] for t in r.token_ids]  # plan[0] is the forced prefix
+
+
+def _branch_text(messages) -> str:
+    return "".join(r.text for r in messages[1:])  # messages[0] is the header line
+
+
+def test_a_skeleton_answer_streams_forked_branches_each_exact(cluster, tokenizer, engine):
+    verify_engine = cluster.verify[0].servicer.engine
+    before = (verify_engine.stats.num_forwards, verify_engine.stats.num_sequences_forwarded, verify_engine.stats.num_tokens_forwarded)
+    responses = _run(_stream(cluster.address, _request()))
+    branches = _by_branch(responses)
+
+    # the plan: the forced prefix, then what the model wrote = constrained target-only greedy decoding
+    skeleton_text, plan_ids = _plan_texts(branches, tokenizer)
+    prefix_ids = tokenizer.encode(FORCED_PLAN, add_special_tokens=False)
+    assert list(branches[0][0].token_ids) == prefix_ids
+    grammar = SkeletonGrammar(tokenizer, max_points=FORMAT.max_points, vocab_size=engine.vocab_size,
+                              eos_token_ids=engine.eos_token_ids)
+    plan_prompt = chat_messages_ids(tokenizer, skeleton_messages(QUESTION, FORMAT)) + prefix_ids
+    assert plan_ids == constrained_greedy(engine, grammar, plan_prompt, grammar.walk(grammar.initial_state(), prefix_ids)[-1])
+    assert branches[0][-1].finish_reason == common_pb2.FINISH_REASON_EOS
+    skeleton = parse_skeleton(skeleton_text, FORMAT.max_points)
+    assert isinstance(skeleton, Skeleton) and len(skeleton.points) >= 3
+
+    # every point streamed as its own branch: header, tokens, a last message with stats
+    assert set(branches) == {-1, 0, *(p.id for p in skeleton.points)}
+    texts = {p.id: _branch_text(branches[p.id]) for p in skeleton.points}
+    params = SamplingParams(temperature=0.0, max_new_tokens=20)
+    num_branch_prompt_tokens = 0
+    for point in skeleton.points:
+        messages = branches[point.id]
+        assert messages[0].text == section_header(point) + "\n" and not messages[0].token_ids
+        assert messages[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED and not messages[-1].error_message
+        tokens = [t for r in messages for t in r.token_ids]
+        assert messages[-1].stats.num_generated_tokens == len(tokens)
+        # exact: target-only greedy decoding of the branch's whole prompt (the point conversation)
+        dependencies = [(skeleton.point(d), texts[d]) for d in point.deps]
+        prompt = chat_messages_ids(tokenizer, point_messages(QUESTION, skeleton_text, point, dependencies, (), FORMAT))
+        num_branch_prompt_tokens += len(prompt)
+        assert tokens == generate(TargetVerifier(engine), None, prompt, params).token_ids, f"point {point.id}"
+
+    # the answer: merged in plan order, with the request's stats
+    answer = branches[-1]
+    assert len(answer) == 1 and answer[0].text == merge(skeleton, texts)
+    summary = answer[0].skeleton
+    assert [b.point_id for b in summary.branches] == [p.id for p in skeleton.points]
+    assert [b.num_tokens for b in summary.branches] == [len([t for r in branches[p.id] for t in r.token_ids])
+                                                        for p in skeleton.points]
+    assert summary.num_prefilled_branches == 0 and summary.route_reason == "requested" and not summary.direct_reason
+    assert summary.num_skeleton_tokens == len(plan_ids) and 0 < summary.skeleton_ms < summary.total_ms
+    assert answer[0].stats.num_generated_tokens == len(plan_ids) + sum(b.num_tokens for b in summary.branches)
+
+    # forked, not prefilled again: the engine fed fewer tokens in all than the branch prompts hold;
+    # and the branches' rounds shared forwards
+    forwards, sequences, tokens_fed = (a - b for a, b in zip(
+        (verify_engine.stats.num_forwards, verify_engine.stats.num_sequences_forwarded, verify_engine.stats.num_tokens_forwarded),
+        before))
+    assert tokens_fed < num_branch_prompt_tokens
+    assert sequences / forwards > 1.2, f"{sequences} sequences in {forwards} forwards: the branches did not batch"
+
+
+def test_seeded_sampled_branches_equal_the_in_process_runs(cluster, tokenizer, engine):
+    """The whole plan forced (only EOS is left to write): each branch samples with seed + point id,
+    which equals plain seeded sampling of its prompt (n-gram drafts are deterministic)."""
+    plan = FORCED_PLAN + "[END]"
+    responses = _run(_stream(cluster.address, _request(plan, temperature=1.0, seed=11, max_new_tokens=12)))
+    branches = _by_branch(responses)
+    skeleton_text, plan_ids = _plan_texts(branches, tokenizer)
+    assert plan_ids == list(engine.eos_token_ids[:1]) and skeleton_text == plan
+    skeleton = parse_skeleton(skeleton_text)
+    assert isinstance(skeleton, Skeleton)
+    texts = {p.id: _branch_text(branches[p.id]) for p in skeleton.points}
+    for point in skeleton.points:
+        dependencies = [(skeleton.point(d), texts[d]) for d in point.deps]
+        prompt = chat_messages_ids(tokenizer, point_messages(QUESTION, skeleton_text, point, dependencies, (), FORMAT))
+        params = SamplingParams(temperature=1.0, seed=11 + point.id, max_new_tokens=12)
+        tokens = [t for r in branches[point.id] for t in r.token_ids]
+        assert tokens == generate(TargetVerifier(engine), None, prompt, params).token_ids, f"point {point.id}"
+    assert branches[-1][-1].text == merge(skeleton, texts)
+
+
+def test_a_direct_plan_answers_the_question_plainly(cluster, tokenizer, engine):
+    """[DIRECT] forced: the model writes the reason and [END]; the answer is plain decoding of the
+    request's own prompt, on the main stream."""
+    responses = _run(_stream(cluster.address, _request("[DIRECT]", max_new_tokens=16, ignore_eos=True)))
+    branches = _by_branch(responses)
+    assert set(branches) == {-1, 0}
+    answer = branches[-1]
+    expected = generate(TargetVerifier(engine), None, tokenizer.encode(QUESTION, add_special_tokens=False),
+                        SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)).token_ids
+    assert [t for r in answer for t in r.token_ids] == expected
+    assert answer[-1].skeleton.direct_reason == "the model chose to answer directly"
+    assert answer[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and not answer[-1].skeleton.branches
+
+
+def test_a_forced_prefix_outside_the_grammar_is_invalid(cluster):
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        _run(_stream(cluster.address, _request("Sure! Here is a plan")))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_constrained_verify_session_steps_with_the_fused_drafter(cluster, tokenizer, engine):
+    """The Verify service alone: OpenSession with the constraint, then fused Step rounds (n-gram
+    drafts, masked target rows) until EOS; equals constrained target-only decoding."""
+    prefix_ids = tokenizer.encode("[PLAN]\n", add_special_tokens=False)
+    prompt = chat_messages_ids(tokenizer, skeleton_messages(QUESTION, FORMAT)) + prefix_ids
+    fmt = SkeletonFormat(max_points=3, max_title_bytes=12)
+    grammar = SkeletonGrammar(tokenizer, max_points=3, max_title_bytes=12, vocab_size=engine.vocab_size,
+                              eos_token_ids=engine.eos_token_ids)
+
+    async def main() -> list[int]:
+        async with channel(f"127.0.0.1:{cluster.verify[0].port}") as ch:
+            stub = verify_pb2_grpc.VerifyServiceStub(ch)
+            opened = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(
+                prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0.0, max_new_tokens=grammar.max_tokens),
+                skeleton=verify_pb2.SkeletonConstraint(max_points=fmt.max_points, max_title_bytes=fmt.max_title_bytes,
+                                                       num_forced_tokens=len(prefix_ids))), timeout=TIMEOUT_S)
+            tokens, finish = [opened.first_token_id], opened.finish_reason
+            while not finish:
+                step = await stub.Step(verify_pb2.StepRequest(session_id=opened.session_id, num_draft_tokens=4), timeout=TIMEOUT_S)
+                tokens += step.result.accepted_token_ids
+                finish = step.result.finish_reason
+            await stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id), timeout=TIMEOUT_S)
+            return tokens
+
+    tokens = _run(main())
+    expected = constrained_greedy(engine, grammar, prompt, grammar.walk(grammar.initial_state(), prefix_ids)[-1])
+    assert tokens[:len(expected)] == expected  # a round may emit past EOS; the session ends at EOS
+    assert isinstance(parse_skeleton(tokenizer.decode(prefix_ids + expected, skip_special_tokens=True)), Skeleton)
