@@ -132,7 +132,12 @@ class Cluster:
             for spec in self.specs:
                 self._launch(spec)
             for spec in self.specs:
-                wait_serving(spec.address, deadline_s, self.processes[spec.name], spec.options.get("tls_cert", ""))
+                if spec.kind == "gateway":  # HTTP: its /health answers 200 once its coordinator serves
+                    from gateway.health import wait_healthy
+
+                    wait_healthy(spec.address, deadline_s, self.processes[spec.name], tls_ca=spec.options.get("tls_cert", ""))
+                else:
+                    wait_serving(spec.address, deadline_s, self.processes[spec.name], spec.options.get("tls_cert", ""))
             for spec in self.specs:
                 if spec.kind == "coordinator":
                     wait_replicas_healthy(spec.address, deadline_s, self.processes[spec.name], spec.options.get("tls_cert", ""))
@@ -193,6 +198,10 @@ def describe(cluster: Cluster) -> list[str]:
         lines.append(f"  {spec.name:<12} {spec.kind:<11} {spec.address:<21} pid {pid:<8} {detail}{threads}{metrics}")
     coordinators = cluster.addresses_of("coordinator")
     cli = cli_command()
+    for gateway in cluster.addresses_of("gateway"):
+        lines += [f"OpenAI-compatible API: http://{gateway}/v1", f"  curl -N http://{gateway}/v1/chat/completions -H 'content-type: "
+                  f"application/json' -d '{{\"model\":\"default\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hi\"}}],"
+                  f"\"stream\":true}}'"]
     if coordinators:
         address = "" if coordinators[0] == "127.0.0.1:50050" else f" --address {coordinators[0]}"
         lines += ["try:", f"  {cli} generate \"{SAMPLE_PROMPT}\"{address}", f"  {cli} chat{address}",

@@ -30,9 +30,12 @@ from pathlib import Path
 
 import yaml
 
-MODULES = {"draft": "draft_service", "verify": "target_service", "stage": "stage_service", "coordinator": "coordinator"}
+MODULES = {"draft": "draft_service", "verify": "target_service", "stage": "stage_service", "coordinator": "coordinator",
+           "gateway": "gateway"}
 OPTION_CLASSES = {"draft": "draft_service.options:DraftOptions", "verify": "target_service.options:VerifyOptions",
-                  "stage": "stage_service.options:StageOptions", "coordinator": "coordinator.options:CoordinatorOptions"}
+                  "stage": "stage_service.options:StageOptions", "coordinator": "coordinator.options:CoordinatorOptions",
+                  "gateway": "gateway.options:GatewayOptions"}
+FRONT_KINDS = ("coordinator", "gateway")  # no model of their own: one thread each, the model services get the cores
 LAUNCHER_KEYS = ("replicas", "torch_threads")  # read here, never passed to a service
 COORDINATOR_THREADS = 1  # the coordinator tokenizes and schedules; the model services get the cores
 
@@ -108,7 +111,7 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
         if kind not in MODULES:
             raise ValueError(f"{path}: service {name!r} has unknown kind {kind!r}; choose one of {', '.join(MODULES)}")
         entries.append((name, kind, entry, _replicas(path, name, entry), entry.pop("torch_threads", default_threads)))
-    num_model_processes = sum(replicas for _, kind, _, replicas, _ in entries if kind != "coordinator")
+    num_model_processes = sum(replicas for _, kind, _, replicas, _ in entries if kind not in FRONT_KINDS)
     specs = []
     for name, kind, entry, replicas, threads in entries:
         known = option_names(kind)
@@ -117,7 +120,7 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
             raise ValueError(f"{path}: service {name!r} ({kind}) has no option(s) {', '.join(unknown)}")
         options = {**{k: v for k, v in defaults.items() if k in known}, **entry}
         if not threads:
-            threads = COORDINATOR_THREADS if kind == "coordinator" else default_torch_threads(num_model_processes, cores)
+            threads = COORDINATOR_THREADS if kind in FRONT_KINDS else default_torch_threads(num_model_processes, cores)
         for index in range(replicas):
             replica_name = name if replicas == 1 else f"{name}-{index}"
             specs.append(ServiceSpec(replica_name, kind, _replica_options(options, index), int(threads), group=name))
@@ -129,7 +132,7 @@ def _inherit_target_model(specs: list[ServiceSpec], services: dict) -> None:
     """A coordinator tokenizes with its target's tokenizer: the first verify service's model unless it names one."""
     verify_models = [s.options["model"] for s in specs if s.kind == "verify" and "model" in s.options]
     for spec in specs:
-        if spec.kind == "coordinator" and "model" not in (services[spec.group] or {}) and verify_models:
+        if spec.kind in FRONT_KINDS and "model" not in (services[spec.group] or {}) and verify_models:
             spec.options["model"] = verify_models[0]
 
 
@@ -144,3 +147,7 @@ def link_coordinators(specs: list[ServiceSpec]) -> None:
             addresses = [s.address for s in specs if s.kind == kind]
             if key not in spec.options and addresses:
                 spec.options[key] = ",".join(addresses)
+    coordinators = [s for s in specs if s.kind == "coordinator"]
+    for spec in specs:  # a gateway fronts the cluster's (first) coordinator unless the config names one
+        if spec.kind == "gateway" and "coordinator" not in spec.options and coordinators:
+            spec.options["coordinator"] = coordinators[0].address

@@ -27,7 +27,7 @@ from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.models.load import load_engine
 
-LISTENING = re.compile(r"^\s+(\S+)\s+(draft|verify|stage|coordinator)\s+(\S+:\d+)\s+pid (\d+)\s+(.*)$")
+LISTENING = re.compile(r"^\s+(\S+)\s+(draft|verify|stage|coordinator|gateway)\s+(\S+:\d+)\s+pid (\d+)\s+(.*)$")
 PROMPT = "one two three four one two three four one two"
 
 
@@ -71,8 +71,8 @@ def test_config_keeps_given_addresses_and_names_mistakes(tmp_path):
         load_cluster_config(write_config(tmp_path / "bad2.yaml", {"verify": {"kind": "verify", "replicas": 0}}))
     with pytest.raises(ValueError, match="device lists 1 values for 2 replica"):
         load_cluster_config(write_config(tmp_path / "bad4.yaml", {"verify": {"kind": "verify", "replicas": 2, "device": ["cuda:0"]}}))
-    with pytest.raises(ValueError, match="unknown kind 'gateway'"):
-        load_cluster_config(write_config(tmp_path / "bad3.yaml", {"gw": {"kind": "gateway"}}))
+    with pytest.raises(ValueError, match="unknown kind 'router'"):
+        load_cluster_config(write_config(tmp_path / "bad3.yaml", {"gw": {"kind": "router"}}))
 
 
 def shipped_configs():
@@ -130,6 +130,7 @@ def launched(tiny_model_dir, tmp_path_factory):
     config = write_config(folder / "cluster.yaml", defaults={"model": target, "device": "cpu", "dtype": "float64", "port": 0}, services={
         "verify": {"kind": "verify", "replicas": 2, "metrics_port": 0, "fused_drafter": "ngram", "torch_threads": 1},
         "coordinator": {"kind": "coordinator", "default_drafter": "ngram"},
+        "gateway": {"kind": "gateway"},
     })
     launcher = Launcher(config, folder)
     try:
@@ -145,7 +146,7 @@ def launched(tiny_model_dir, tmp_path_factory):
 def test_run_cluster_prints_every_process_and_a_sample_command(launched):
     launcher, services, _ = launched
     assert {name: kind for name, (kind, *_) in services.items()} == {"verify-0": "verify", "verify-1": "verify",
-                                                                     "coordinator": "coordinator"}
+                                                                     "coordinator": "coordinator", "gateway": "gateway"}
     coordinator = services["coordinator"][1]
     assert f"verify [{services['verify-0'][1]},{services['verify-1'][1]}]" in services["coordinator"][3]
     assert all("/metrics" in services[name][3] for name in ("verify-0", "verify-1"))
@@ -193,6 +194,18 @@ def test_requests_spread_over_replicas_and_equal_greedy(launched):
         opened.append(sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
                           if line.startswith("specmesh_requests_total{") and 'method="OpenSession"' in line))
     assert all(count > 0 for count in opened), opened  # JSQ(2) used both replicas
+
+
+def test_the_gateway_is_started_linked_to_the_coordinator(launched):
+    import json
+
+    launcher, services, target = launched
+    address = services["gateway"][1]
+    with urllib.request.urlopen(f"http://{address}/health", timeout=10) as response:
+        assert response.status == 200
+    with urllib.request.urlopen(f"http://{address}/v1/models", timeout=10) as response:
+        assert [m["id"] for m in json.load(response)["data"]] == [target]
+    assert any(f"http://{address}/v1" in line for line in launcher.lines)
 
 
 def test_ctrl_c_stops_every_process(launched):
