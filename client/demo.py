@@ -98,7 +98,7 @@ def _cluster_section(runs: list[Run]) -> None:
     for spec in specs:  # free ports, so the demo never collides with a running cluster
         spec.options["port"] = 0
         spec.options.pop("metrics_port", None)
-        if spec.kind != "coordinator":  # one request at a time: draft and verify take turns, each may use every core
+        if spec.kind not in ("coordinator", "gateway"):  # one request at a time: draft and verify take turns, each may use every core
             spec.torch_threads = torch.get_num_threads()
     print("starting the local cluster (Draft, Verify and Coordinator, one process each) ...", flush=True)
     start = time.perf_counter()
