@@ -107,15 +107,18 @@ def prefill_scenario(services: BackgroundServices, folder: str, tokenizer, chunk
     """The same scenario against a Verify service that prefills in one forward and one that chunks
     (`chunked_addr`, default options), same model, one after the other."""
     unchunked = services.start(create_verify(VerifyOptions(model=folder, port=0, batch_window_ms=2.0, prefill_chunk_tokens=0)))
+    small = services.start(create_verify(VerifyOptions(model=folder, port=0, batch_window_ms=2.0, prefill_chunk_tokens=128)))
     short, long = prompts(tokenizer, PREFILL_SESSIONS), long_prompt(tokenizer, PREFILL_PROMPT_TOKENS)
     out = {"prompt_tokens": len(long), "sessions": PREFILL_SESSIONS, "k": K, "rows": []}
-    for chunk_tokens, addr in ((0, f"127.0.0.1:{unchunked.port}"), (VerifyOptions().prefill_chunk_tokens, chunked_addr)):
+    for chunk_tokens, addr in ((0, f"127.0.0.1:{unchunked.port}"), (128, f"127.0.0.1:{small.port}"),
+                               (VerifyOptions().prefill_chunk_tokens, chunked_addr)):
         row = {"prefill_chunk_tokens": chunk_tokens, **asyncio.run(prefill_interleave(addr, short, long))}
         out["rows"].append(row)
         print(f"prefill_chunk_tokens={chunk_tokens}: {len(long)}-token OpenSession {row['open_ms'] / 1e3:.1f} s; "
               f"other sessions' rounds meanwhile p50 {row['p50_ms']:.0f} ms, p99 {row['p99_ms']:.0f} ms "
               f"({row['rounds_during']} rounds; idle p50 {row['idle_p50_ms']:.0f} ms)", flush=True)
     services.stop(unchunked)
+    services.stop(small)
     return out
 
 
