@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from servicekit.options import ServerOptions
 
 MODES = ("speculative", "fused", "autoregressive")
-DRAFTERS = ("service", "ngram")
+DRAFTERS = ("service", "ngram", "none")
 
 
 @dataclass
@@ -18,7 +18,7 @@ class CoordinatorOptions(ServerOptions):
     verify_addresses: str = "127.0.0.1:50052"  # Verify service replicas, comma-separated host:port
     router: str = "jsq2"  # replica choice at session open: round_robin | jsq2 | weighted_jsq (specmesh.routing)
     default_mode: str = "speculative"  # speculative | fused | autoregressive
-    default_drafter: str = "service"  # speculative mode: service (the Draft service) | ngram (in the coordinator)
+    default_drafter: str = "service"  # speculative / skeleton mode: service (the Draft service) | ngram (in the coordinator) | none
     default_max_new_tokens: int = 256
     q_dtype: str = "float32"  # how draft distributions travel: float32 | float16 | bfloat16
     sparse_q: bool = False  # send only q's support

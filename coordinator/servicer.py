@@ -124,7 +124,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         """The speculative, fused and autoregressive modes: one stream, on the main branch (-1)."""
         verifier = FailoverVerifier(self.verify, self.info, calls, failovers, sparse_q=self.options.sparse_q)
         drafter = None
-        if mode == "speculative":
+        if mode == "speculative" and drafter_kind != "none":
             drafter = FailoverDrafter(self.draft, calls, failovers, use_service=drafter_kind == "service" and bool(self.draft),
                                       q_dtype=self.q_dtype, sparse_q=self.options.sparse_q)
         k_policy = FixedK(request.num_draft_tokens) if request.num_draft_tokens and mode != "autoregressive" else None
@@ -148,7 +148,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             (m.content for m in reversed(request.chat.messages) if m.role == "user"), request.chat.messages[-1].content)
         max_parallel = request.max_parallel or self.options.skeleton_max_parallel
         links = Links(self.verify, self.draft, self.info, calls, failovers,
-                      use_draft_service=drafter_kind == "service" and bool(self.draft), q_dtype=self.q_dtype,
+                      drafter_kind="service" if drafter_kind == "service" and self.draft else drafter_kind, q_dtype=self.q_dtype,
                       sparse_q=self.options.sparse_q,
                       k_policy=lambda: FixedK(request.num_draft_tokens) if request.num_draft_tokens else None)
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import grpc
 
-from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier, VerifyHandle, replica_failed
+from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier, VerifyHandle, open_or_close_later, replica_failed
 from coordinator.pools import ServicePool
 from servicekit.convert import FINISH_TO_PB, sampling_to_pb, stats_to_pb
 from servicekit.remote import RemoteVerifier
@@ -93,14 +93,16 @@ class Links:
     info: TargetInfo
     calls: Calls
     failovers: Failovers
-    use_draft_service: bool  # the Draft service drafts; else n-grams in the coordinator
+    drafter_kind: str  # "service" (the Draft service), "ngram" (in the coordinator) or "none" (target only)
     q_dtype: Any  # torch dtype of q on the wire
     sparse_q: bool
     k_policy: Callable[[], KPolicy | None]  # a fresh policy per stream (None: adaptive)
     drafters: list[FailoverDrafter] = field(default_factory=list)  # every drafter made, for the stats
 
-    def drafter(self) -> FailoverDrafter:
-        drafter = FailoverDrafter(self.draft, self.calls, self.failovers, use_service=self.use_draft_service,
+    def drafter(self) -> FailoverDrafter | None:
+        if self.drafter_kind == "none":
+            return None
+        drafter = FailoverDrafter(self.draft, self.calls, self.failovers, use_service=self.drafter_kind == "service",
                                   q_dtype=self.q_dtype, sparse_q=self.sparse_q)
         self.drafters.append(drafter)
         return drafter
@@ -164,8 +166,11 @@ class BranchVerifier(FailoverVerifier):
         self._prompt, self._params = list(prompt_ids), params
         request = verify_pb2.ForkRequest(session_id=parent.session_id, num_children=1, child_sampling=[_token_level(params)],
                                          num_prefix_tokens=self.num_shared, append_token_ids=self._prompt[self.num_shared:])
-        try:
-            response = await parent.remote.stub.Fork(request, timeout=self.calls.timeout_s, metadata=parent.remote.metadata)
+        remote = parent.remote
+        try:  # a request cancelled during the Fork closes the child it makes
+            response = await open_or_close_later(
+                remote.stub.Fork(request, timeout=self.calls.timeout_s, metadata=remote.metadata),
+                lambda forked: remote.close(forked.child_session_ids[0]))
         except grpc.aio.AioRpcError as exc:
             if not replica_failed(exc):
                 raise

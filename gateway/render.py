@@ -55,8 +55,11 @@ class Tally:
         self.stats: list[common_pb2.SpeculationStats | None] = [None] * num_choices
 
     def add(self, index: int, response: coordinator_pb2.GenerateResponse) -> tuple[str, str | None]:
-        """Count one event of choice `index`; returns its new text and finish reason (None: going on)."""
+        """Count one event of choice `index`; returns its new text and finish reason (None: going on).
+        Skeleton mode streams the plan and the points as branches >= 0; the answer is branch -1 only."""
         self.num_tokens[index] += len(response.token_ids)
+        if response.branch_id != -1:
+            return "", None
         if response.text:
             self.texts[index].append(response.text)
         if response.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:

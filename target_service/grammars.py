@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ class SkeletonGrammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_cached = max_cached
-        self._tokenizer = None
+        self._tokenizer: Any = None  # transformers tokenizer, loaded at the first compile
         self._grammars: OrderedDict[SkeletonFormat, SkeletonGrammar] = OrderedDict()
         self._building: dict[SkeletonFormat, threading.Lock] = {}
         self._lock = threading.Lock()

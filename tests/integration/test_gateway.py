@@ -246,7 +246,6 @@ ERRORS = [  # (path, body, user) -> (status, param or code)
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "alice", 400, "messages.0.role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "alice", 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}, None, 401, "invalid_api_key"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "specmesh": {"mode": "skeleton"}}, "alice", 501, "unimplemented"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": QUOTA_SESSIONS + 1, "max_tokens": 200,
                          "specmesh": {"ignore_eos": True}}, "bob", 429, "resource_exhausted"),
     ("/v1/nothing-here", {}, "alice", 404, None),

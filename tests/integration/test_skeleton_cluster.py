@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 
 import grpc
 import pytest
 
 from client.wire_loop import channel
+from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
@@ -27,12 +29,14 @@ from specmesh.models.chat import chat_messages_ids
 from specmesh.models.engine import SeqInput
 from specmesh.models.load import load_engine
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc
-from specmesh.skeleton.automaton import SkeletonFormat
+from specmesh.skeleton.automaton import DEAD_STATE, SkeletonFormat
 from specmesh.skeleton.grammar import SkeletonGrammar
 from specmesh.skeleton.merge import merge, section_header
 from specmesh.skeleton.parse import parse_skeleton
 from specmesh.skeleton.prompts import point_messages, skeleton_messages
+from specmesh.skeleton.tools import PassageIndex, passages_for
 from specmesh.skeleton.types import Skeleton
+from target_service.grammars import GrammarConstraint
 from tests.integration.test_coordinator import Cluster
 
 TIMEOUT_S = 60
@@ -174,6 +178,15 @@ def test_a_skeleton_answer_streams_forked_branches_each_exact(cluster, tokenizer
         before))
     assert tokens_fed < num_branch_prompt_tokens
     assert sequences / forwards > 1.2, f"{sequences} sequences in {forwards} forwards: the branches did not batch"
+    _assert_sessions_closed(cluster)
+
+
+def _assert_sessions_closed(cluster) -> None:
+    """Every Verify session of the request (the plan's, each branch's) is closed soon after its end."""
+    deadline = time.monotonic() + 5.0
+    while cluster.verify[0].servicer.num_sessions and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cluster.verify[0].servicer.num_sessions == 0
 
 
 def test_seeded_sampled_branches_equal_the_in_process_runs(cluster, tokenizer, engine):
@@ -194,6 +207,41 @@ def test_seeded_sampled_branches_equal_the_in_process_runs(cluster, tokenizer, e
         tokens = [t for r in branches[point.id] for t in r.token_ids]
         assert tokens == generate(TargetVerifier(engine), None, prompt, params).token_ids, f"point {point.id}"
     assert branches[-1][-1].text == merge(skeleton, texts)
+    _assert_sessions_closed(cluster)
+
+
+def test_a_search_point_gets_passages_from_the_documents(cluster, tokenizer, engine):
+    """A <Search> point's prompt carries the BM25 passages of the request's documents."""
+    plan = "[PLAN]\n1.<8><Search>[-]Dark bedroom\n2.<8><None>[-]Food\n3.<8><None>[-]Move\n[END]"
+    documents = ["Keep the bedroom cool and dark at night.\n\nBread is baked from flour and water."]
+    request = _request(plan, max_new_tokens=8)
+    request.documents.extend(documents)
+    branches = _by_branch(_run(_stream(cluster.address, request)))
+    skeleton = parse_skeleton(plan)
+    assert isinstance(skeleton, Skeleton)
+    index = PassageIndex(documents)
+    for point in skeleton.points:
+        passages = [p.text for p in passages_for(point, QUESTION, index)]
+        assert bool(passages) == (point.id == 1) and all("Bread" not in p for p in passages)
+        prompt = chat_messages_ids(tokenizer, point_messages(QUESTION, plan, point, (), passages, FORMAT))
+        expected = generate(TargetVerifier(engine), None, prompt, SamplingParams(temperature=0.0, max_new_tokens=8)).token_ids
+        assert [t for r in branches[point.id] for t in r.token_ids] == expected, f"point {point.id}"
+
+
+def test_grammar_row_states_of_chain_and_tree_drafts():
+    """The worked example of target_service/grammars.py on a toy vocabulary of single characters."""
+    vocabulary = [None, *(bytes([b]) for b in range(1, 128))]  # id = the byte; 0 = EOS
+    grammar = SkeletonGrammar.from_token_bytes(vocabulary, eos_token_ids=[0])
+    s = grammar.walk(grammar.initial_state(), list(b"[PLAN]\n1."))[-1]
+    a, b, c = ord("<"), ord("7"), ord("x")  # after "1." only "<" continues; "x" is refused anywhere here
+    constraint = GrammarConstraint(grammar, s)
+    sa = grammar.advance(s, a)
+    assert constraint.row_states(DraftProposal(token_ids=[a, b])) == [s, sa, grammar.advance(sa, b)]
+    tree = DraftProposal(token_ids=[a, b, c], parents=[-1, 0, 0])
+    assert constraint.row_states(tree) == [s, sa, grammar.advance(sa, b), DEAD_STATE]
+    assert constraint.row_states(DraftProposal(token_ids=[c, a])) == [s, DEAD_STATE, DEAD_STATE]
+    constraint.commit([a, b])
+    assert constraint.state == grammar.advance(sa, b)
 
 
 def test_a_direct_plan_answers_the_question_plainly(cluster, tokenizer, engine):
@@ -244,3 +292,68 @@ def test_a_constrained_verify_session_steps_with_the_fused_drafter(cluster, toke
     expected = constrained_greedy(engine, grammar, prompt, grammar.walk(grammar.initial_state(), prefix_ids)[-1])
     assert tokens[:len(expected)] == expected  # a round may emit past EOS; the session ends at EOS
     assert isinstance(parse_skeleton(tokenizer.decode(prefix_ids + expected, skip_special_tokens=True)), Skeleton)
+
+
+def test_bad_constraints_and_forks_are_invalid_arguments(cluster, tokenizer):
+    prompt = tokenizer.encode("[PLAN]\n", add_special_tokens=False)
+
+    async def code(call) -> grpc.StatusCode:
+        try:
+            await call
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    async def main() -> list[grpc.StatusCode]:
+        async with channel(f"127.0.0.1:{cluster.verify[0].port}") as ch:
+            stub = verify_pb2_grpc.VerifyServiceStub(ch)
+            sampling = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=8)
+
+            def open_session(**constraint):
+                return stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(
+                    prompt_token_ids=prompt, sampling=sampling, skeleton=verify_pb2.SkeletonConstraint(**constraint)),
+                    timeout=TIMEOUT_S)
+
+            codes = [await code(open_session(max_points=1000)),  # past the service's skeleton_max_points
+                     await code(open_session(num_forced_tokens=len(prompt) + 1)),
+                     await code(open_session(num_forced_tokens=len(prompt) - 1))]  # "PLAN]\n..." is no plan start
+            opened = await open_session(num_forced_tokens=len(prompt))
+            parent = opened.session_id
+
+            def fork(num_prefix_tokens: int, append: list[int]):
+                return stub.Fork(verify_pb2.ForkRequest(session_id=parent, num_children=1, num_prefix_tokens=num_prefix_tokens,
+                                                        append_token_ids=append), timeout=TIMEOUT_S)
+
+            codes += [await code(fork(len(prompt) + 2, [5])),  # longer than the parent
+                      await code(fork(2, []))]  # cut to a prefix with nothing to sample from
+            # the same sequence rebuilt from a shared prefix of 2; a child is not constrained, so its
+            # next token is the unconstrained session's first
+            child = await fork(2, prompt[2:])
+            free = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=prompt, sampling=sampling),
+                                          timeout=TIMEOUT_S)
+            codes.append(grpc.StatusCode.OK if child.next_token_ids[0] == free.first_token_id else grpc.StatusCode.UNKNOWN)
+            for session_id in (parent, child.child_session_ids[0], free.session_id):
+                await stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S)
+            return codes
+
+    assert _run(main()) == [grpc.StatusCode.INVALID_ARGUMENT] * 5 + [grpc.StatusCode.OK]
+
+
+def test_a_cancelled_answer_closes_every_session(cluster):
+    """The client leaves while the branches run: the coordinator cancels them and closes the plan's
+    session and every branch's."""
+    async def main() -> int:
+        async with channel(cluster.address) as ch:
+            call = coordinator_pb2_grpc.CoordinatorServiceStub(ch).Generate(
+                _request(FORCED_PLAN + "[END]", max_new_tokens=400, ignore_eos=True), timeout=TIMEOUT_S)
+            num_branch_tokens = 0
+            async for response in call:
+                num_branch_tokens += len(response.token_ids) if response.branch_id > 0 else 0
+                if num_branch_tokens >= 12:
+                    break
+            num_open = cluster.verify[0].servicer.num_sessions
+            call.cancel()
+            return num_open
+
+    assert _run(main()) >= 3  # the branches' sessions (and the plan's) were open when the client left
+    _assert_sessions_closed(cluster)

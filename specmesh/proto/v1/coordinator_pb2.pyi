@@ -104,8 +104,9 @@ class GenerateRequest(_message.Message):
     drafter: _builtins.str
     """speculative mode: "service" (the Draft service), "ngram" (prompt"""
     max_parallel: _builtins.int
-    """lookup in the coordinator); "" = the coordinator's default
-    (skeleton mode: the skeleton's and every branch's drafter)
+    """lookup in the coordinator), "none" (target only); "" = the
+    coordinator's default (skeleton mode: the skeleton's and
+    every branch's drafter)
     Skeleton mode. The question is the prompt, or the last user message of a chat (earlier turns
     are not carried into the plan); sampling applies to the skeleton and to every branch, and
     max_new_tokens bounds each branch (and a direct answer), not the whole answer.
