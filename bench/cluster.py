@@ -180,7 +180,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "cluster.yaml"
         config.write_text(yaml.safe_dump(cluster_config(folder)))
-        with Cluster.from_yaml(config, log_dir=Path(tmp) / "logs") as cluster:
+        with Cluster.from_yaml(config, log_dir=tmp) as cluster:
             address = cluster.addresses["coordinator"]
             print("overhead, one session:", flush=True)
             out["overhead"] = overhead(address, folder, tokenizer)
