@@ -138,9 +138,13 @@ def launched(tiny_model_dir, tmp_path_factory):
         services = {m[1]: (m[2], m[3], int(m[4]), m[5]) for m in (LISTENING.match(line) for line in launcher.lines) if m}
         yield launcher, services, target
     finally:
-        if launcher.process.poll() is None:
-            launcher.process.kill()
-            launcher.process.wait()
+        if launcher.process.poll() is None:  # a failed test: stop the services too, not only the launcher
+            launcher.process.send_signal(signal.SIGINT)
+            try:
+                launcher.process.wait(30)
+            except subprocess.TimeoutExpired:
+                launcher.process.kill()
+                launcher.process.wait()
 
 
 def test_run_cluster_prints_every_process_and_a_sample_command(launched):
