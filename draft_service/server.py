@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from draft_service.options import DRAFTERS, DraftOptions
 from draft_service.servicer import DraftServicer
+from servicekit.engine_thread import EngineThread, single_threaded_here
 from servicekit.metrics import ServiceMetrics
 from servicekit.model import load_service_engine, model_shape
 from servicekit.server import ServiceHandle, start_service
@@ -31,8 +32,10 @@ def build_drafter(options: DraftOptions):
 
 async def create_server(options: DraftOptions) -> tuple[ServiceHandle, int]:
     metrics = ServiceMetrics("draft")
-    drafter, engine, vocab_size, max_context, folder = build_drafter(options)
-    servicer = DraftServicer(options, drafter, engine, vocab_size, max_context, folder, metrics)
+    engine_thread = EngineThread("draft-engine")  # the model is loaded and run on it (servicekit.engine_thread)
+    single_threaded_here()
+    drafter, engine, vocab_size, max_context, folder = await engine_thread.run(build_drafter, options)
+    servicer = DraftServicer(options, drafter, engine, vocab_size, max_context, folder, metrics, engine_thread)
     servicer.sessions.start_reaper(options.reaper_interval_s)
     handle = await start_service(options, metrics, servicer, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME)],
                                  on_stop=[servicer.shutdown])

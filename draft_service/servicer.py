@@ -20,6 +20,7 @@ from draft_service.convert import propose_response
 from draft_service.options import DraftOptions
 from servicekit.batching import WindowBatcher
 from servicekit.convert import DEFAULT_MAX_NEW_TOKENS, kv_usage_pb, model_info_pb, q_dtype_from_pb, sampling_from_pb, token_ids_from_pb
+from servicekit.engine_thread import EngineThread
 from servicekit.errors import Unimplemented, rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.rounds import RoundLog
@@ -61,8 +62,8 @@ class ProposeResult:
 
 class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, options: DraftOptions, make_drafter: DrafterFactory, engine, vocab_size: int, max_context: int,
-                 model_folder: str, metrics: ServiceMetrics):
-        super().__init__("draft", options.session_ttl_s, metrics, options)
+                 model_folder: str, metrics: ServiceMetrics, engine_thread: EngineThread | None = None):
+        super().__init__("draft", options.session_ttl_s, metrics, options, engine_thread)
         self.options = options
         self.make_drafter = make_drafter
         self.drafter = make_drafter(None)  # opens and closes sessions; q unrounded

@@ -16,8 +16,16 @@ from servicekit.server import ServiceHandle
 
 class BackgroundServices:
     def __init__(self):
+        import torch
+
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="services-loop", daemon=True)
+        threads = torch.get_num_threads()  # the services' engine threads get the caller's intra-op threads
+
+        def run() -> None:
+            torch.set_num_threads(threads)
+            self.loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="services-loop", daemon=True)
         self._thread.start()
         self.handles: list[ServiceHandle] = []
 

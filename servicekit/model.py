@@ -1,4 +1,4 @@
-"""Loading a service's model from its options (on the calling thread, before the server starts)."""
+"""Loading a service's model from its options (on the thread that calls it: the service's engine thread)."""
 
 from __future__ import annotations
 

@@ -39,9 +39,10 @@ STATE_PRESERVING_ERRORS = (ValueError, OutOfBlocksError, QuotaExceeded)
 
 
 class SessionService:
-    def __init__(self, name: str, session_ttl_s: float, metrics: ServiceMetrics, quotas: QuotaOptions | None = None):
+    def __init__(self, name: str, session_ttl_s: float, metrics: ServiceMetrics, quotas: QuotaOptions | None = None,
+                 engine_thread: EngineThread | None = None):
         self.metrics = metrics
-        self.engine_thread = EngineThread(f"{name}-engine")
+        self.engine_thread = engine_thread or EngineThread(f"{name}-engine")
         self.sessions = SessionTable(session_ttl_s, self._close_session, on_expire=metrics.expired_sessions.inc)
         self.quotas = Quotas(quotas or QuotaOptions())
         self._reserved: defaultdict[str, Holdings] = defaultdict(Holdings)  # admitted, not yet added

@@ -12,6 +12,7 @@ from servicekit.convert import (
     sampling_from_pb,
     token_ids_from_pb,
 )
+from servicekit.engine_thread import EngineThread
 from servicekit.errors import rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.session_service import SessionService
@@ -24,8 +25,9 @@ from stage_service.options import StageOptions
 
 
 class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
-    def __init__(self, options: StageOptions, engine, model_folder: str, metrics: ServiceMetrics):
-        super().__init__("stage", options.session_ttl_s, metrics, options)
+    def __init__(self, options: StageOptions, engine, model_folder: str, metrics: ServiceMetrics,
+                 engine_thread: EngineThread | None = None):
+        super().__init__("stage", options.session_ttl_s, metrics, options, engine_thread)
         self.options = options
         self.engine = engine
         self.model_folder = model_folder

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from servicekit.engine_thread import EngineThread, single_threaded_here
 from servicekit.metrics import ServiceMetrics
 from servicekit.model import load_service_engine
 from servicekit.server import ServiceHandle, start_service
@@ -33,8 +34,11 @@ def build_fused_drafter(options: VerifyOptions):
 
 async def create_server(options: VerifyOptions) -> tuple[ServiceHandle, int]:
     metrics = ServiceMetrics("verify")
-    engine, folder = load_service_engine(options)
-    servicer = VerifyServicer(options, engine, folder, metrics, build_fused_drafter(options))
+    engine_thread = EngineThread("verify-engine")  # the model is loaded and run on it (servicekit.engine_thread)
+    single_threaded_here()
+    engine, folder = await engine_thread.run(load_service_engine, options)
+    fused = await engine_thread.run(build_fused_drafter, options)
+    servicer = VerifyServicer(options, engine, folder, metrics, fused, engine_thread)
     servicer.sessions.start_reaper(options.reaper_interval_s)
     handle = await start_service(options, metrics, servicer, [(verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE_NAME)],
                                  on_stop=[servicer.shutdown])

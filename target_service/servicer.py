@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 
 from servicekit.convert import FINISH_TO_PB, kv_usage_pb, model_info_pb, sampling_from_pb, stats_to_pb, token_ids_from_pb
+from servicekit.engine_thread import EngineThread
 from servicekit.errors import FailedPrecondition, Unimplemented, message_for, rpc_method, status_for
 from servicekit.metrics import ServiceMetrics
 from servicekit.session_service import STATE_PRESERVING_ERRORS, SessionService
@@ -35,8 +36,9 @@ log = logging.getLogger("specmesh.verify")
 
 
 class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
-    def __init__(self, options: VerifyOptions, engine, model_folder: str, metrics: ServiceMetrics, fused_drafter=None):
-        super().__init__("verify", options.session_ttl_s, metrics, options)
+    def __init__(self, options: VerifyOptions, engine, model_folder: str, metrics: ServiceMetrics, fused_drafter=None,
+                 engine_thread: EngineThread | None = None):
+        super().__init__("verify", options.session_ttl_s, metrics, options, engine_thread)
         self.options = options
         self.engine = engine
         self.model_folder = model_folder
