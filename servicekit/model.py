@@ -18,7 +18,7 @@ def load_service_engine(options: ModelOptions, model: str | None = None):
 
     folder = resolve_folder(model or options.model)
     engine = load_engine(folder, backend=options.backend, dtype=options.dtype, device=options.device,
-                         max_kv_tokens=options.max_kv_tokens)
+                         max_kv_tokens=options.max_kv_tokens, quantize=options.quantize or None)
     return engine, folder
 
 

@@ -45,6 +45,7 @@ class ModelOptions:
     dtype: str = "float32"
     backend: str = "auto"  # auto | native | hf
     max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS  # KV pool size in tokens
+    quantize: str = ""  # "" (as dtype says) | int8 | int4 | q4_0 | q4_1 | q8_0 | q4_k | q6_k | gguf | int8-dynamic (drafters)
 
 
 def option_fields(cls) -> list[dataclasses.Field]:
