@@ -8,6 +8,7 @@
     specmesh bench --concurrency 1 4 16 --requests 32 --out bench-out
     specmesh health [ADDRESS ...] [--config configs/local.yaml]
     specmesh stats [--json]
+    specmesh sim run|sweep|profile ...   # the cluster simulator (specmesh/sim/cli.py); needs no services
 Every command but `generate --local` takes --address (default $SPECMESH_ADDRESS or 127.0.0.1:50050),
 --tls-ca, --client-cert / --client-key and --token / --token-file (default $SPECMESH_TOKEN).
 Exit codes: 0 done, 1 the request failed, 2 bad arguments, 3 the coordinator cannot be reached,
@@ -225,6 +226,7 @@ def run_async(coroutine) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from client import bench_cli, chat
+    from specmesh.sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(prog="specmesh", description="specmesh: distributed speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -247,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", parents=[connection], help="the coordinator's totals and replicas")
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(handler=lambda args: run_async(_stats(args)))
+    sim_cli.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,309 @@
+"""The simulated cluster: clients, the coordinator's session loop, draft devices, target servers.
+
+    result = Simulation(load_config("configs/sim/fleet.yaml")).run()
+    result.summary["goodput_tokens_per_s"]
+
+One request, as the Coordinator runs it (coordinator/driver.py over specmesh.decoding.state):
+  client -> coordinator; the target router (`ReplicaSet` of specmesh.routing, as-is, on the virtual
+  clock) picks a Verify replica for the session's whole life, and (distributed mode) the draft
+  router a draft device (its drafter prefills lazily, in the first Propose's forward);
+  Verify.OpenSession: the prompt crosses the link, the prefill runs as engine jobs (chunked), the
+  first token goes back;
+  each round: k = min(speculation.k, tokens left - 1) (`SpeculationState.max_draft_tokens`);
+    distributed: the accepted tokens go to the draft device and join its batcher's queue (Propose
+      calls of many sessions share forwards, position by position); the draft goes to the target
+      and joins the Verify batcher's queue;
+    fused: the Step request goes to the target, the hosted drafter runs as one engine job, then
+      the call joins the batcher's queue;
+    autoregressive: k = 0, a one-token call joins the queue;
+  the acceptance model draws n accepted; n + 1 tokens go back to the client;
+  at the end the session leaves the target (no longer an expected caller) and the routers hear
+  `finish(latency, tokens)` (weighted JSQ learns capacity from it).
+Not modelled: KV admission limits, failures and failover, Skeleton-of-Thought, adaptive k.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import simpy
+
+from specmesh.routing.registry import make_router
+from specmesh.routing.replica import Replica
+from specmesh.routing.replica_set import ReplicaSet
+from specmesh.sim.config import Link, SimConfig
+from specmesh.sim.cost import CostModel, CostTable, LinearCost, RooflineCost, device_spec, model_dims
+from specmesh.sim.results import DeviceRecord, RequestRecord, SimResult, summarize
+from specmesh.sim.servers import DraftServer, FifoServer, NetLink, TargetServer, Window
+from specmesh.sim.workload import AcceptanceModel, conditional_from_marginal, load_trace, make_sampler
+
+
+def build_cost(config: SimConfig, device: str, role: str) -> CostModel:
+    """The cost model of `device` running the `role` model ("target" or "draft")."""
+    spec = config.devices[device]
+    kinds = [k for k in ("table", "roofline", "linear") if k in spec]
+    if len(kinds) != 1:
+        raise ValueError(f"device {device!r}: give exactly one of table / roofline / linear, got {sorted(spec)}")
+    if "table" in spec:
+        return CostTable.load(Path(config.base_dir) / spec["table"])
+    if "linear" in spec:
+        return LinearCost(**spec["linear"])
+    model = spec.get("model", config.models.get(role))
+    if model is None:
+        raise ValueError(f"device {device!r}: a roofline needs models.{role} or a `model:` of its own")
+    return RooflineCost(model_dims(model), device_spec(spec["roofline"]))
+
+
+class Simulation:
+    def __init__(self, config: SimConfig):
+        self.config = config
+        self.env = simpy.Environment()
+        self.window = Window(config.burn_in_s, config.duration_s)
+        self.requests: list[RequestRecord] = []
+        self.num_emitted_tokens = 0
+        self.max_sessions_per_target = 0  # the most sessions one target held at once (inside the window)
+        seed = config.seed
+        self._arrival_rng = random.Random(f"{seed}/arrivals")
+        net = config.network
+        self._overhead = net.rpc_overhead_bytes
+        self._bytes_per_token = net.bytes_per_token
+        self._client_latency_s = net.client.latency_ms / 1e3
+        self._client_s_per_byte = 8.0 / (net.client.bandwidth_mbps * 1e6) if net.client.bandwidth_mbps > 0 else 0.0
+
+        self._hosts: dict[str, FifoServer] = {}
+        self.targets: dict[str, tuple[TargetServer, NetLink, float, CostModel | None]] = {}
+        replicas = []
+        for gi, group in enumerate(config.targets):
+            cost = build_cost(config, group.device, "target")
+            fused_cost = build_cost(config, group.fused_draft_device, "draft") if group.fused_draft_device else None
+            for i in range(group.count):
+                name = f"target{gi}.{i}"
+                server = TargetServer(self.env, name, cost, self.window, group.max_batch_tokens, group.batch_window_ms,
+                                      group.prefill_chunk_tokens, self._host_engine(group.host))
+                self.targets[name] = (server, self._link(name, group.node), group.fused_draft_ms_per_token, fused_cost)
+                replicas.append(Replica(name, weight=group.weight))
+        self.target_set = ReplicaSet(replicas, make_router(**config.router), rng=random.Random(f"{seed}/router"),
+                                     cooldown_s=None, clock=lambda: self.env.now)
+
+        self.drafts: list[tuple[DraftServer, NetLink]] = []
+        draft_replicas = []
+        if config.mode == "distributed":
+            for gi, dgroup in enumerate(config.drafts):
+                cost = build_cost(config, dgroup.device, "draft")
+                for i in range(dgroup.count):
+                    name = f"draft{gi}.{i}"
+                    drafter = DraftServer(self.env, name, cost, self.window, dgroup.max_batch_sessions, dgroup.batch_window_ms,
+                                          self._host_engine(dgroup.host))
+                    self.drafts.append((drafter, self._link(name, dgroup.node)))
+                    draft_replicas.append(Replica(name, weight=dgroup.weight))
+        self._draft_by_name = {d.name: (d, link) for d, link in self.drafts}
+        self.draft_set = ReplicaSet(draft_replicas, make_router(**config.draft_router), rng=random.Random(f"{seed}/draft_router"),
+                                    cooldown_s=None, clock=lambda: self.env.now)
+
+        spec = config.speculation
+        conditional = conditional_from_marginal(spec.acceptance_marginal) if spec.acceptance_marginal else spec.acceptance
+        self.acceptance = AcceptanceModel(conditional, spec.acceptance_trace)
+        wl = config.workload
+        self._prompt_tokens = make_sampler(wl.prompt_tokens, "workload.prompt_tokens")
+        self._output_tokens = make_sampler(wl.output_tokens, "workload.output_tokens")
+        self._turns = make_sampler(wl.turns, "workload.turns")
+        self._followup_tokens = make_sampler(wl.followup_tokens, "workload.followup_tokens")
+
+    def _host_engine(self, host: str) -> FifoServer | None:
+        if not host:
+            return None
+        if host not in self._hosts:
+            self._hosts[host] = FifoServer(host, self.window)
+        return self._hosts[host]
+
+    def _link(self, name: str, node: str) -> NetLink:
+        net = self.config.network
+        spec: Link = net.same_node if node == net.coordinator_node else net.cross_node
+        return NetLink(name, spec.latency_ms, spec.bandwidth_mbps, self.window)
+
+    def _client_s(self, num_bytes: float) -> float:
+        return self._client_latency_s + num_bytes * self._client_s_per_byte
+
+    # workload
+    def _start_workload(self) -> None:
+        wl, env = self.config.workload, self.env
+        if wl.arrival == "poisson":
+            env.process(self._poisson())
+        elif wl.arrival == "closed":
+            for client in range(wl.num_clients):
+                env.process(self._closed_client(client))
+        else:
+            trace = wl.trace or load_trace(Path(self.config.base_dir) / wl.trace_file)
+            env.process(self._replay(trace))
+
+    def _poisson(self):
+        rate, conv_id = self.config.workload.rate_per_s, 0
+        while True:
+            yield self.env.timeout(self._arrival_rng.expovariate(rate))
+            self.env.process(self._conversation(conv_id))
+            conv_id += 1
+
+    def _closed_client(self, client: int):
+        wl = self.config.workload
+        conv_id, num_done = client, 0
+        while not wl.num_requests_per_client or num_done < wl.num_requests_per_client:
+            yield from self._conversation(conv_id)
+            conv_id += wl.num_clients
+            num_done += 1
+
+    def _replay(self, trace: list[dict[str, float]]):
+        for conv_id, item in enumerate(sorted(trace, key=lambda r: r["arrival_s"])):
+            if item["arrival_s"] > self.env.now:
+                yield self.env.timeout(item["arrival_s"] - self.env.now)
+            rng = random.Random(self.config.seed * 1_000_003 + conv_id)
+            self.env.process(self._request(conv_id, rng, int(item["prompt_tokens"]), int(item["output_tokens"])))
+
+    def _conversation(self, conv_id: int):
+        wl = self.config.workload
+        rng = random.Random(self.config.seed * 1_000_003 + conv_id)
+        num_turns = self._turns(rng)
+        history = 0
+        for turn in range(num_turns):
+            prompt = history + (self._prompt_tokens(rng) if turn == 0 else self._followup_tokens(rng))
+            output = min(self._output_tokens(rng), wl.max_context - 1)
+            prompt = max(1, min(prompt, wl.max_context - output))
+            yield from self._request(conv_id, rng, prompt, output)
+            history = prompt + output
+            if wl.think_time_s > 0 and turn + 1 < num_turns:
+                yield self.env.timeout(rng.expovariate(1.0 / wl.think_time_s))
+
+    # one request
+    def _emit(self, num_tokens: int, at_s: float) -> None:
+        if at_s in self.window:
+            self.num_emitted_tokens += num_tokens
+
+    def _request(self, conv_id: int, rng: random.Random, num_prompt: int, max_new_tokens: int):
+        env, config = self.env, self.config
+        mode, overhead, per_token = config.mode, self._overhead, self._bytes_per_token
+        record = RequestRecord(env.now, num_prompt, max_new_tokens)
+        self.requests.append(record)
+        yield env.timeout(self._client_s(overhead + per_token * num_prompt))
+        open_s = env.now
+        replica = self.target_set.acquire()
+        if env.now in self.window and replica.num_in_flight > self.max_sessions_per_target:
+            self.max_sessions_per_target = replica.num_in_flight
+        server, link, fused_ms_per_token, fused_cost = self.targets[replica.id]
+        record.target = replica.id
+        draft: DraftServer | None = None
+        draft_link: NetLink | None = None
+        draft_replica: Replica | None = None
+        if mode == "distributed":
+            if config.draft_assignment == "routed":
+                draft_replica = self.draft_set.acquire()
+                draft, draft_link = self._draft_by_name[draft_replica.id]
+            else:
+                draft, draft_link = self.drafts[conv_id % len(self.drafts)]
+            record.draft = draft.name
+            draft.num_sessions += 1  # Draft.OpenSession only records the prompt: the first Propose prefills it
+
+        yield env.timeout(link.send_down(env.now, overhead + per_token * num_prompt) - env.now)
+        for job_ms in server.prefill_jobs_ms(num_prompt):
+            yield env.timeout(server.run_job(env.now, job_ms / 1e3) - env.now)
+        server.num_sessions += 1
+        t = link.send_up(env.now, overhead + per_token)
+        record.first_token_s = t + self._client_s(overhead + per_token)
+        self._emit(1, record.first_token_s)
+        generated, new_input = 1, 1  # tokens out; tokens emitted by the last round (what the drafter is told)
+        draft_feed = num_prompt + 1  # what the drafter's next first forward feeds (ModelDrafter._absorb)
+        k_max = config.speculation.k if mode != "autoregressive" else 0
+        q_bytes = config.speculation.q_bytes_per_draft_token
+        trace_offset = conv_id % len(self.acceptance.trace) if self.acceptance.trace else 0  # sessions start apart
+        fused_opened = False
+        while generated < max_new_tokens:
+            k = min(k_max, max_new_tokens - generated - 1)
+            context = num_prompt + generated
+            if mode == "distributed" and k > 0:
+                assert draft is not None and draft_link is not None
+                yield env.timeout(draft_link.send_down(t, overhead + per_token * new_input) - env.now)
+                yield draft.propose(draft_feed, k, context - draft_feed)
+                t = draft_link.send_up(env.now, overhead + (per_token + q_bytes) * k)
+            yield env.timeout(link.send_down(t, overhead + (per_token + q_bytes) * k) - env.now)
+            if mode == "fused" and k > 0:
+                draft_ms = k * fused_ms_per_token
+                if fused_cost is not None:
+                    draft_ms += k * fused_cost.forward_ms(1, 1, context)
+                    if not fused_opened:
+                        draft_ms += fused_cost.forward_ms(1, num_prompt, 0)
+                fused_opened = True
+                yield env.timeout(server.run_job(env.now, draft_ms / 1e3) - env.now)
+            yield server.verify(1 + k, context)
+            num_accepted = self.acceptance.num_accepted(k, rng, record.num_rounds, trace_offset) if k else 0
+            new_input = num_accepted + 1
+            # the drafter kept its first k - 1 draft tokens; it feeds the target's token (and the last
+            # draft token when all k were accepted); without a draft this round, everything new
+            draft_feed = (1 if num_accepted < k else 2) if k else draft_feed + new_input
+            generated += new_input
+            record.num_rounds += 1
+            record.num_draft_tokens += k
+            record.num_accepted_tokens += num_accepted
+            t = link.send_up(env.now, overhead + per_token * new_input)
+            self._emit(new_input, t + self._client_s(overhead + per_token * new_input))
+        server.num_sessions -= 1
+        if draft is not None:
+            draft.num_sessions -= 1
+        record.num_output_tokens = generated
+        record.end_s = t + self._client_s(overhead + per_token)
+        if t > env.now:
+            yield env.timeout(t - env.now)
+        self.target_set.finish(replica, env.now - open_s, generated)
+        if draft_replica is not None:
+            self.draft_set.finish(draft_replica, env.now - open_s, generated)
+        if record.end_s > env.now:
+            yield env.timeout(record.end_s - env.now)
+
+    # run
+    def run(self) -> SimResult:
+        start = time.perf_counter()
+        self._start_workload()
+        self.env.run(until=self.config.duration_s)
+        wall_s = time.perf_counter() - start
+        w = self.window
+        in_system_area = sum(w.overlap_s(r.arrival_s, r.end_s if r.end_s >= 0 else w.end_s) for r in self.requests)
+        summary: dict[str, Any] = summarize(self.requests, w.start_s, w.end_s, self.num_emitted_tokens, in_system_area,
+                                            self.config.slo.ttft_ms, self.config.slo.tpot_ms)
+        devices = []
+        for name, (server, _, _, _) in self.targets.items():
+            group_cap = server.max_batch_cost
+            batches = server.num_batches
+            devices.append(DeviceRecord(
+                name, "target", server.busy_s, server.num_jobs, server.busy_s / w.length_s, batches,
+                server.num_batch_rows / batches if batches else 0.0, server.num_batch_cost / batches if batches else 0.0,
+                server.num_batch_cost / batches / group_cap if batches else 0.0, server.queue_depth.mean(w.end_s),
+                server.queue_depth.max_value))
+        for d, _ in self.drafts:
+            batches = d.num_batches
+            devices.append(DeviceRecord(d.name, "draft", d.busy_s, d.num_jobs, d.busy_s / w.length_s, batches,
+                                        d.num_batch_rows / batches if batches else 0.0, 0.0, 0.0, d.queue_depth.mean(w.end_s),
+                                        d.queue_depth.max_value))
+        targets = [d for d in devices if d.kind == "target"]
+        drafts = [d for d in devices if d.kind == "draft"]
+        summary.update({
+            "mode": self.config.mode,
+            "router": self.config.router.get("name"),
+            "num_targets": len(targets),
+            "num_drafts": len(drafts),
+            "target_utilisation_mean": sum(d.utilisation for d in targets) / len(targets),
+            "draft_utilisation_mean": sum(d.utilisation for d in drafts) / len(drafts) if drafts else 0.0,
+            "batch_rows_mean": sum(d.mean_batch_rows * d.num_batches for d in targets) / max(1, sum(d.num_batches for d in targets)),
+            "batch_token_utilisation_mean": sum(d.batch_token_utilisation * d.num_batches for d in targets)
+            / max(1, sum(d.num_batches for d in targets)),
+            "queue_depth_mean": sum(d.queue_depth_mean for d in targets) / len(targets),
+            "queue_depth_max": max(d.queue_depth_max for d in targets),
+            "sessions_per_target_max": self.max_sessions_per_target,
+            "virtual_s": self.config.duration_s,
+            "wall_s": wall_s,
+            "virtual_s_per_wall_s": self.config.duration_s / wall_s if wall_s > 0 else float("inf"),
+        })
+        return SimResult(summary, self.requests, devices)
+
+
+def simulate(config: SimConfig) -> SimResult:
+    return Simulation(config).run()

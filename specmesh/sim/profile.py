@@ -1,0 +1,78 @@
+"""Measure an engine's forward times on a grid and write them as a `CostTable`.
+
+    engine = load_engine("default")
+    table = profile_engine(engine, rows=[1, 2, 4, 8], tokens_per_row=[1, 2, 4, 8, 64, 512], context=[64, 512])
+    table.save("cpu-smollm2.json")
+
+For each context length, `max(rows)` sequences are prefilled once to that length; every grid point
+then times one ragged forward of the first `rows` of them with `tokens_per_row` new tokens each
+(logits as `cost.logits_rows` says) and truncates them back, so the KV pool never grows. The time
+kept is the median of `repeats` runs after `warmup` unrecorded ones. Run it under the thread
+settings the service will use (torch.set_num_threads): processes on one host share its cores.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from specmesh.sim.cost import VERIFY_LOGITS_MAX_TOKENS, CostTable
+
+if TYPE_CHECKING:  # torch is imported when profiling, not by `specmesh sim run` or the CLI's start
+    from specmesh.models.engine import Engine
+
+PROFILE_ROWS = (1, 2, 4, 8, 16)
+PROFILE_TOKENS_PER_ROW = (1, 2, 4, 8, 16, 64, 256)
+PROFILE_CONTEXT = (32, 256, 1024)
+
+
+def profile_engine(
+    engine: Engine,
+    rows: Sequence[int] = PROFILE_ROWS,
+    tokens_per_row: Sequence[int] = PROFILE_TOKENS_PER_ROW,
+    context: Sequence[int] = PROFILE_CONTEXT,
+    repeats: int = 3,
+    warmup: int = 1,
+    meta: dict[str, Any] | None = None,
+    on_point: Callable[[int, int], None] | None = None,
+) -> CostTable:
+    """The table of median forward times (ms); `on_point(done, total)` after each grid point."""
+    import torch
+
+    from specmesh.models.engine import SeqInput
+
+    rows, tokens_per_row, context = sorted(set(rows)), sorted(set(tokens_per_row)), sorted(set(context))
+    if max(context) + max(tokens_per_row) > engine.max_context:
+        raise ValueError(f"context {max(context)} + {max(tokens_per_row)} new tokens exceed the model's {engine.max_context}")
+    times = [[[0.0] * len(context) for _ in tokens_per_row] for _ in rows]
+    total, done = len(rows) * len(tokens_per_row) * len(context), 0
+    token_id = min(100, engine.vocab_size - 1)  # any ordinary token: the cost does not depend on which
+    for ci, num_context in enumerate(context):
+        seqs = [engine.new_sequence() for _ in range(max(rows))]
+        try:
+            engine.forward([SeqInput(s, [token_id] * num_context, [num_context - 1]) for s in seqs])
+            for ri, num_rows in enumerate(rows):
+                for ti, num_new in enumerate(tokens_per_row):
+                    logits_at = list(range(num_new)) if num_new <= VERIFY_LOGITS_MAX_TOKENS else [num_new - 1]
+                    batch = [SeqInput(s, [token_id] * num_new, logits_at) for s in seqs[:num_rows]]
+                    samples = []
+                    for i in range(warmup + repeats):
+                        start = time.perf_counter()
+                        engine.forward(batch)
+                        elapsed_ms = (time.perf_counter() - start) * 1e3
+                        for s in seqs[:num_rows]:
+                            engine.truncate(s, num_context)
+                        if i >= warmup:
+                            samples.append(elapsed_ms)
+                    times[ri][ti][ci] = statistics.median(samples)
+                    done += 1
+                    if on_point is not None:
+                        on_point(done, total)
+        finally:
+            for s in seqs:
+                engine.free(s)
+    info = {"backend": engine.backend, "dtype": str(engine.dtype), "device": str(engine.device),
+            "torch_threads": torch.get_num_threads(), "repeats": repeats, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return CostTable(list(rows), list(tokens_per_row), list(context), times, {**info, **(meta or {})})

@@ -1,0 +1,175 @@
+"""The cluster simulator against closed forms, hand-worked schedules and specmesh.decoding's accounting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specmesh.decoding.adaptive import FixedK
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.state import SpeculationState
+from specmesh.sim import config_from_dict, simulate
+
+ZERO_NETWORK = {"same_node": {"latency_ms": 0}, "cross_node": {"latency_ms": 0}, "client": {"latency_ms": 0}}
+
+
+def base_config(**overrides) -> dict:
+    config = {
+        "duration_s": 60, "burn_in_s": 5, "seed": 0,
+        "devices": {"target": {"linear": {"base_ms": 10.0}}, "draft": {"linear": {"base_ms": 1.0}}},
+        "targets": [{"count": 1, "device": "target"}], "drafts": [{"count": 1, "device": "draft", "node": "target"}],
+        "network": ZERO_NETWORK,
+    }
+    config.update(overrides)
+    return config
+
+
+def test_md1_queue_matches_closed_form():
+    """One-token requests on one target: each is one deterministic 10 ms prefill job, Poisson
+    arrivals -> M/D/1, mean wait rho / (2 mu (1 - rho)) = 5 ms at rho = 0.5."""
+    service_s, rate = 0.010, 50.0
+    result = simulate(config_from_dict(base_config(
+        mode="autoregressive", duration_s=400, burn_in_s=20,
+        workload={"arrival": "poisson", "rate_per_s": rate, "prompt_tokens": 10, "output_tokens": 1})))
+    rho, mu = rate * service_s, 1 / service_s
+    expected_wait_ms = rho / (2 * mu * (1 - rho)) * 1e3
+    measured_wait_ms = result.summary["ttft"]["mean_ms"] - service_s * 1e3
+    assert result.summary["num_requests_done"] > 15_000
+    assert measured_wait_ms == pytest.approx(expected_wait_ms, rel=0.1)
+    assert result.summary["target_utilisation_mean"] == pytest.approx(rho, rel=0.03)
+
+
+@pytest.mark.parametrize("mode", ["distributed", "fused", "autoregressive"])
+def test_littles_law(mode):
+    """Time-average requests in flight = arrival rate x mean time in the system."""
+    result = simulate(config_from_dict(base_config(
+        mode=mode, duration_s=300, burn_in_s=20, speculation={"k": 3, "acceptance": [0.7]},
+        targets=[{"count": 2, "device": "target", "fused_draft_ms_per_token": 0.5}],
+        workload={"arrival": "poisson", "rate_per_s": 2.0, "prompt_tokens": {"uniform": [20, 200]}, "output_tokens": [8, 32],
+                  "turns": [1, 2], "think_time_s": 1.0})))
+    s = result.summary
+    assert s["num_requests_done"] > 500
+    assert s["in_system_mean"] == pytest.approx(s["arrival_rate_per_s"] * s["e2e"]["mean_ms"] / 1e3, rel=0.05)
+
+
+def test_hand_worked_schedule():
+    """One request, k = 3, max_new_tokens = 10, accepted counts replayed 2, 0, 3; target forward 10 ms,
+    draft forward 1 ms, no network:
+        t = 1.000  arrives; draft prefill [1.000, 1.001]; target prefill [1.000, 1.010] -> token 1
+        round 1: draft 3 x 1 ms -> 1.013; verify -> 1.023; 2 accepted + 1  -> 4 tokens
+        round 2: draft -> 1.026; verify -> 1.036; 0 accepted + 1          -> 5
+        round 3: draft -> 1.039; verify -> 1.049; 3 accepted + 1          -> 9
+        round 4: k = min(3, 10 - 9 - 1) = 0: verify alone -> 1.059; 1     -> 10
+    """
+    result = simulate(config_from_dict(base_config(
+        duration_s=3, burn_in_s=0, speculation={"k": 3, "acceptance_trace": [2, 0, 3]},
+        workload={"arrival": "trace", "trace": [{"arrival_s": 1.0, "prompt_tokens": 16, "output_tokens": 10}]})))
+    (r,) = result.requests
+    assert (r.num_output_tokens, r.num_rounds, r.num_draft_tokens, r.num_accepted_tokens) == (10, 4, 9, 5)
+    assert r.ttft_s == pytest.approx(0.010)
+    assert r.e2e_s == pytest.approx(0.059)
+    assert r.tpot_s == pytest.approx(0.049 / 9)
+    target = next(d for d in result.devices if d.kind == "target")
+    assert target.busy_s == pytest.approx(0.050)  # prefill + 4 verifies
+    assert result.summary["throughput_tokens_per_s"] == pytest.approx(10 / 3)
+
+
+@pytest.mark.parametrize("accepted, k, max_new", [([2, 0, 3], 3, 10), ([4, 4, 1, 0, 2], 4, 23), ([0], 2, 7), ([5, 5], 5, 12)])
+def test_accounting_matches_speculation_state(accepted, k, max_new):
+    """The sim's round accounting is SpeculationState's (k capped by max_new_tokens, n + 1 emitted)."""
+    result = simulate(config_from_dict(base_config(
+        duration_s=5, burn_in_s=0, speculation={"k": k, "acceptance_trace": accepted},
+        workload={"arrival": "trace", "trace": [{"arrival_s": 0.0, "prompt_tokens": 8, "output_tokens": max_new}]})))
+    (r,) = result.requests
+    state = SpeculationState(SamplingParams(max_new_tokens=max_new, ignore_eos=True), num_prompt_tokens=8, max_context=4096,
+                             k_policy=FixedK(k))
+    state.start(0)
+    rounds = 0
+    while not state.finished:
+        drafted = state.next_k()
+        n = min(drafted, accepted[rounds % len(accepted)])
+        state.record(drafted, n, [1] * (n + 1))
+        rounds += 1
+    assert r.num_output_tokens == len(state.generated) == max_new
+    assert r.num_rounds == rounds
+    assert (r.num_draft_tokens, r.num_accepted_tokens) == (state.stats.num_draft_tokens, state.stats.num_accepted_tokens)
+
+
+def test_batcher_merges_concurrent_rounds():
+    """Eight closed-loop clients on one target: rounds ride together; a lone session skips the window."""
+    result = simulate(config_from_dict(base_config(
+        mode="autoregressive", targets=[{"count": 1, "device": "target", "batch_window_ms": 2}],
+        workload={"arrival": "closed", "num_clients": 8, "prompt_tokens": 8, "output_tokens": 64})))
+    assert result.summary["batch_rows_mean"] > 6
+    single = simulate(config_from_dict(base_config(
+        mode="autoregressive", duration_s=2, burn_in_s=0,
+        workload={"arrival": "trace", "trace": [{"arrival_s": 0.0, "prompt_tokens": 8, "output_tokens": 5}]})))
+    assert single.requests[0].e2e_s == pytest.approx(0.050)  # prefill + 4 one-token rounds, no window waits
+
+
+def test_draft_service_batches_propose_calls():
+    """Eight sessions routed to one Draft service: their Propose calls share forwards (position by
+    position): with drafting the bottleneck (10 ms a forward, the target 1 ms), eight sessions get
+    several times one session's throughput, where unbatched Proposes would give about the same."""
+    def run(clients: int):
+        return simulate(config_from_dict(base_config(
+            draft_assignment="routed", devices={"target": {"linear": {"base_ms": 1.0}}, "draft": {"linear": {"base_ms": 10.0}}}, speculation={"k": 4, "acceptance": [0.7]},
+            workload={"arrival": "closed", "num_clients": clients, "prompt_tokens": 16, "output_tokens": 64})))
+
+    one, eight = run(1), run(8)
+    draft = next(d for d in eight.devices if d.kind == "draft")
+    assert draft.mean_batch_rows > 2.5
+    assert eight.summary["throughput_tokens_per_s"] > 3 * one.summary["throughput_tokens_per_s"]
+
+
+def test_services_on_one_host_take_turns():
+    """A Draft and a Verify service with `host: box` share one engine: their busy times add up to at
+    most the window, and the pipelining of separate machines is gone."""
+    def run(host: str):
+        return simulate(config_from_dict(base_config(
+            targets=[{"count": 1, "device": "target", "host": host}], drafts=[{"count": 1, "device": "draft", "node": "target", "host": host}],
+            devices={"target": {"linear": {"base_ms": 10.0}}, "draft": {"linear": {"base_ms": 5.0}}},
+            draft_assignment="routed", speculation={"k": 2, "acceptance": [0.5]},
+            workload={"arrival": "closed", "num_clients": 8, "prompt_tokens": 16, "output_tokens": 64})))
+
+    apart, shared = run(""), run("box")
+    busy = sum(d.busy_s for d in shared.devices)
+    assert busy <= shared.summary["window_s"] + 1e-6
+    assert busy > 0.95 * shared.summary["window_s"]  # saturated: eight clients keep the one engine busy
+    assert shared.summary["throughput_tokens_per_s"] < 0.9 * apart.summary["throughput_tokens_per_s"]
+
+
+def test_jsq2_balances_better_than_random():
+    """The routers of specmesh.routing, as-is: JSQ(2)'s busiest target holds fewer sessions."""
+    def busiest(router: str) -> int:
+        result = simulate(config_from_dict(base_config(
+            mode="autoregressive", duration_s=120, burn_in_s=10, router={"name": router},
+            targets=[{"count": 16, "device": "target"}],
+            workload={"arrival": "poisson", "rate_per_s": 8.0, "prompt_tokens": 16, "output_tokens": {"uniform": [50, 300]}})))
+        return result.summary["sessions_per_target_max"]
+
+    assert busiest("jsq2") < busiest("random")
+
+
+def test_seeded_runs_repeat():
+    def run(seed: int) -> dict:
+        result = simulate(config_from_dict(base_config(
+            seed=seed, duration_s=60, speculation={"k": 4, "acceptance": [0.9, 0.6]}, targets=[{"count": 3, "device": "target"}],
+            workload={"arrival": "poisson", "rate_per_s": 3.0, "prompt_tokens": {"lognormal": {"median": 100, "sigma": 0.5}},
+                      "output_tokens": 40})))
+        return {k: v for k, v in result.summary.items() if k not in ("wall_s", "virtual_s_per_wall_s")}
+
+    first = run(1)
+    assert first == run(1)
+    assert first != run(2)
+    assert not math.isnan(first["acceptance_rate"])
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="workload: unknown keys \\['rate'\\]"):
+        config_from_dict(base_config(workload={"rate": 3}))
+    with pytest.raises(ValueError, match="not defined under `devices`"):
+        config_from_dict(base_config(targets=[{"device": "gpu"}]))
+    with pytest.raises(ValueError, match="mode must be"):
+        config_from_dict(base_config(mode="cascade"))
