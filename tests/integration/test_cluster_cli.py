@@ -215,7 +215,7 @@ def test_the_gateway_is_started_linked_to_the_coordinator(launched):
 def test_ctrl_c_stops_every_process(launched):
     launcher, services, _ = launched
     launcher.process.send_signal(signal.SIGINT)
-    assert launcher.process.wait(30) == 0
+    assert launcher.process.wait(90) == 0  # the launcher SIGKILLs what has not stopped 15 s after SIGTERM
     assert "stopping" in launcher.rest()
     for _, _, pid, _ in services.values():
         with pytest.raises(ProcessLookupError):
