@@ -226,7 +226,11 @@ def main(argv=None) -> int:
     def request_stop(signum, frame):
         raise KeyboardInterrupt
 
+    # also when started with these signals ignored or blocked (nohup, or a parent process's threads: a
+    # launcher spawned by a test process that had started grpc inherited a mask that kept Ctrl-C out)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
     try:
         print(f"starting {len(cluster.specs)} process(es) from {args.config}; logs in {cluster.log_dir}", flush=True)
         cluster.start(args.timeout_s)

@@ -327,6 +327,7 @@ def serve_main(
 
     options: Any = parse_options(options_cls, argv, description)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # a parent's mask must not keep them out
 
     async def serve() -> None:
         handle = (await create_server(options))[0]
