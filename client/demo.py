@@ -89,6 +89,27 @@ async def _through_the_coordinator(address: str, runs: list[Run]) -> None:
               + ", ".join(f"{r.kind} {r.address} {'healthy' if r.healthy else 'UNHEALTHY'}" for r in stats.replicas))
 
 
+def _through_the_gateway(address: str, run: Run) -> None:
+    """The same chat prompt through the OpenAI-compatible HTTP API (what an OpenAI SDK would send)."""
+    import json
+    import urllib.request
+
+    body = {"model": "default", "messages": [{"role": "user", "content": run.prompt}], "max_tokens": MAX_NEW_TOKENS,
+            "temperature": 0, "specmesh": {"mode": "speculative", "drafter": "ngram"}}
+    request = urllib.request.Request(f"http://{address}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=300) as response:
+        answer = json.load(response)
+    wall_s = time.perf_counter() - start
+    text = answer["choices"][0]["message"]["content"]
+    usage = answer["usage"]
+    print()
+    print(f"POST http://{address}/v1/chat/completions -> {usage['completion_tokens']} tokens in {wall_s:.2f} s; "
+          f"acceptance {usage.get('specmesh', {}).get('acceptance_rate', 0):.0%}; "
+          f"text {'identical' if text == run.text else 'DIFFERENT'} to in-process")
+
+
 def _cluster_section(runs: list[Run]) -> None:
     import torch
 
@@ -100,11 +121,13 @@ def _cluster_section(runs: list[Run]) -> None:
         spec.options.pop("metrics_port", None)
         if spec.kind not in ("coordinator", "gateway"):  # one request at a time: draft and verify take turns, each may use every core
             spec.torch_threads = torch.get_num_threads()
-    print("starting the local cluster (Draft, Verify and Coordinator, one process each) ...", flush=True)
+    print("starting the local cluster (Draft, Verify, Coordinator and the HTTP gateway, one process each) ...", flush=True)
     start = time.perf_counter()
     with Cluster(specs) as cluster:
         print(f"  ready in {time.perf_counter() - start:.1f} s: {cluster.addresses}")
         asyncio.run(_through_the_coordinator(cluster.addresses_of("coordinator")[0], runs))
+        for gateway in cluster.addresses_of("gateway"):
+            _through_the_gateway(gateway, runs[1])
     print("cluster stopped")
 
 
