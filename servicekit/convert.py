@@ -156,6 +156,14 @@ def distributions_from_pb(pb: common_pb2.DraftDistributions, k: int, vocab_size:
     return raw
 
 
+def check_draft_has_q(num_draft_tokens: int, has_q: bool, deterministic_draft: bool, params: SamplingParams) -> None:
+    """A sampled session's draft must come with the q it was drawn from, unless the request says the
+    drafter is deterministic (q one-hot): the one rule of Verify, Step and the Stage service."""
+    if num_draft_tokens and not has_q and not deterministic_draft and not params.is_greedy:
+        raise ValueError("a sampled session needs the draft's distributions q, or deterministic_draft = true "
+                         "when the drafter is deterministic (q one-hot)")
+
+
 def q_dtype_from_pb(value: int) -> torch.dtype:
     if value == common_pb2.D_TYPE_UNSPECIFIED:
         return torch.float32

@@ -115,23 +115,15 @@ class SessionService:
     @asynccontextmanager
     async def session_call(self, session_id: str) -> AsyncIterator[Any]:
         """The caller's session, locked for one call (module docstring for what a failure does)."""
-        entry = self.sessions.get(session_id, current_principal())
-        async with entry.lock:
-            if not self.sessions.holds(entry):  # closed while this call waited
-                raise SessionNotFound(repr(session_id))
-            try:
-                yield entry.value
-            except STATE_PRESERVING_ERRORS:
-                raise
-            except BaseException:
-                self.close_later(session_id)
-                raise
+        async with self.session_calls([session_id]) as sessions:
+            yield sessions[0]
 
     @asynccontextmanager
     async def session_calls(self, session_ids: Sequence[str]) -> AsyncIterator[list[Any]]:
         """Several of the caller's sessions, locked together (in id order, so two such calls never
-        wait on each other), all looked up before any is locked. The caller handles per-session
-        failures; an error escaping the block (e.g. cancellation) closes them all, as `session_call`."""
+        wait on each other), all looked up before any is locked, each checked again once locked (a
+        close may have come first). An error escaping the block closes them all (module docstring);
+        per-session failures inside it are the caller's to handle."""
         principal = current_principal()
         entries = [self.sessions.get(i, principal) for i in session_ids]
         async with AsyncExitStack() as stack:

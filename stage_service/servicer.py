@@ -6,6 +6,7 @@ import time
 
 from servicekit.convert import (
     DEFAULT_MAX_NEW_TOKENS,
+    check_draft_has_q,
     distributions_from_pb,
     kv_usage_pb,
     model_info_pb,
@@ -64,9 +65,7 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
             raise ValueError(f"num_extend_tokens must be in [1, {self.options.max_extend_tokens}]")
         q = distributions_from_pb(request.distributions, len(draft), vocab) if request.HasField("distributions") else None
         async with self.session_call(request.session_id) as session:
-            if draft and q is None and not request.deterministic_draft and not session.sequence.params.is_greedy:
-                raise ValueError("a sampled session needs the draft's distributions q, or deterministic_draft = true "
-                                 "when the lower stage is deterministic (q one-hot)")
+            check_draft_has_q(len(draft), q is not None, request.deterministic_draft, session.sequence.params)
             self.check_kv_quota(len(accepted) + len(draft) + request.num_extend_tokens)
             start = time.perf_counter()
             out = await self.engine_thread.run(self.stage.verify_and_extend, session, accepted, draft, q,

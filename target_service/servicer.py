@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from servicekit.convert import FINISH_TO_PB, kv_usage_pb, model_info_pb, sampling_from_pb, stats_to_pb, token_ids_from_pb
+from servicekit.convert import FINISH_TO_PB, check_draft_has_q, kv_usage_pb, model_info_pb, sampling_from_pb, stats_to_pb, token_ids_from_pb
 from servicekit.engine_thread import EngineThread
 from servicekit.errors import FailedPrecondition, Unimplemented, message_for, rpc_method, status_for
 from servicekit.metrics import ServiceMetrics
@@ -118,9 +118,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self._check_open(session)
         if proposal.num_tokens > self.options.max_draft_tokens:
             raise ValueError(f"{proposal.num_tokens} draft tokens exceed this service's limit of {self.options.max_draft_tokens}")
-        if proposal.num_tokens and proposal.q is None and not deterministic and not session.target.params.is_greedy:
-            raise ValueError("a sampled session needs the draft's distributions q, or deterministic_draft = true "
-                             "when the drafter is deterministic (q one-hot)")
+        check_draft_has_q(proposal.num_tokens, proposal.q is not None, deterministic, session.target.params)
         capped, kept = proposal.capped(session.round.max_draft_tokens)
         self.check_kv_quota(1 + capped.num_tokens)
         return capped, kept
