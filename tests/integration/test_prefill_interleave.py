@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+from service_helpers import wait_for
 
 from client.wire_loop import channel
 from servicekit.background import BackgroundServices
@@ -114,12 +115,7 @@ def test_other_sessions_verify_between_the_chunks_of_a_long_prefill(services, lo
 
 
 def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+    return wait_for(predicate, timeout_s)
 
 
 def test_a_failed_chunk_frees_the_sequence(services):

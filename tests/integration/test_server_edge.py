@@ -26,6 +26,7 @@ from cryptography.x509.oid import NameOID
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
+from service_helpers import wait_for
 
 from client.cluster import wait_serving
 from client.wire_loop import channel
@@ -405,12 +406,7 @@ def _health(stub) -> int:
 
 
 def _wait_for(predicate, timeout_s: float = TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
+    return wait_for(predicate, timeout_s)
 
 
 def test_drain_refuses_new_sessions_and_lets_open_ones_finish(target):

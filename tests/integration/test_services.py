@@ -4,13 +4,13 @@ TTL, cancellation, health and reflection. Tiny random models; the in-process loo
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from service_helpers import wait_for
 
 from client.wire_loop import channel, wire_generation
 from draft_service.options import DraftOptions
@@ -199,12 +199,7 @@ def test_errors_map_to_status_codes_and_the_services_keep_serving(cluster):
 
 
 def _wait_for(predicate, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+    return wait_for(predicate, timeout_s)
 
 
 def test_ttl_reclaims_abandoned_sessions(cluster):
