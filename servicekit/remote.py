@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from servicekit.convert import FINISH_FROM_PB, PB_BY_TORCH, distributions_from_pb, distributions_to_pb, sampling_to_pb, token_ids_from_pb
+from specmesh.decoding.adaptive import ForwardCost
 from specmesh.decoding.async_driver import TargetInfo
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
@@ -174,8 +175,11 @@ def outcome_from_pb(response: verify_pb2.VerifyResponse, proposal: DraftProposal
     else:
         nodes = list(range(num_accepted))
         bonus = num_accepted == proposal.num_tokens
+    cost = None
+    if response.HasField("forward_fixed_ms") and response.HasField("forward_ms_per_token"):
+        cost = ForwardCost(response.forward_fixed_ms, response.forward_ms_per_token, max(1, response.batch_size))
     return VerifyOutcome(nodes, tokens[:num_accepted], tokens[num_accepted],
-                         FinalTokenKind.BONUS if bonus else FinalTokenKind.RECOVERED)
+                         FinalTokenKind.BONUS if bonus else FinalTokenKind.RECOVERED, cost=cost)
 
 
 def _token_level(params: SamplingParams):

@@ -6,6 +6,8 @@ up to `max_batch_tokens` (at least one call). The collection window (`window_ms`
 first call of an idle service; under load the calls that arrive while a forward runs ride in the next.
 If a batched forward fails (e.g. the KV pool is full), each call is retried alone so the error reaches
 only the calls it belongs to (the engine rolls a failed forward back completely).
+Every forward's (tokens, ms) feeds a `LinearCostFit`; each result carries the fitted `ForwardCost`,
+so the clients' adaptive k counts what a draft token costs the whole batch.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from servicekit.batching import WindowBatcher
 from servicekit.engine_thread import EngineThread
 from servicekit.metrics import ServiceMetrics
+from specmesh.decoding.adaptive import ForwardCost, LinearCostFit
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.types import VerifyOutcome
 from specmesh.decoding.verifier import TargetSession, TargetVerifier
@@ -37,10 +40,14 @@ class VerifyResult:
     outcome: VerifyOutcome
     batch_size: int  # sessions in the forward this call rode in
     verify_ms: float  # wall time of that forward + acceptance
+    batch_tokens: int = 0  # tokens in that forward
+    cost: ForwardCost | None = None  # the service's fit of a forward's cost, when determined
 
 
-def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall]) -> list[VerifyResult | Exception]:
-    """Engine thread: one verify_many forward for all calls (per-call retries if it fails)."""
+def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall],
+                     fit: LinearCostFit | None = None) -> list[VerifyResult | Exception]:
+    """Engine thread: one verify_many forward for all calls (per-call retries if it fails); the
+    forward's time feeds `fit`."""
     start = time.perf_counter()
     try:
         outcomes = verifier.verify_many([c.session for c in calls], [c.proposal for c in calls])
@@ -52,12 +59,17 @@ def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall]) -> l
             single_start = time.perf_counter()
             try:
                 outcome = verifier.verify(call.session, call.proposal)
-                results.append(VerifyResult(outcome, 1, (time.perf_counter() - single_start) * 1e3))
+                results.append(VerifyResult(outcome, 1, (time.perf_counter() - single_start) * 1e3, call.num_tokens))
             except Exception as exc:  # noqa: BLE001 - this call's own error
                 results.append(exc)
         return results
     verify_ms = (time.perf_counter() - start) * 1e3
-    return [VerifyResult(outcome, len(calls), verify_ms) for outcome in outcomes]
+    tokens = sum(c.num_tokens for c in calls)
+    cost = None
+    if fit is not None:
+        fit.observe(tokens, verify_ms)
+        cost = fit.cost(len(calls))
+    return [VerifyResult(outcome, len(calls), verify_ms, tokens, cost) for outcome in outcomes]
 
 
 class VerifyBatcher(WindowBatcher):
@@ -68,8 +80,9 @@ class VerifyBatcher(WindowBatcher):
             metrics.batch_size.observe(len(calls))
             metrics.batch_tokens.observe(sum(c.num_tokens for c in calls))
 
+        self.cost_fit = LinearCostFit()
         super().__init__(
-            engine_thread, lambda calls: run_verify_batch(verifier, calls), window_ms, max_batch_tokens,
+            engine_thread, lambda calls: run_verify_batch(verifier, calls, self.cost_fit), window_ms, max_batch_tokens,
             cost=lambda call: call.num_tokens, on_batch=on_batch, on_queue_depth=metrics.queue_depth.set,
             expected_callers=expected_callers,
         )

@@ -8,6 +8,7 @@ from specmesh.decoding.state import FinishReason
 from specmesh.decoding.types import VerifyOutcome
 from specmesh.proto.v1 import verify_pb2
 from specmesh.skeleton.automaton import DEFAULT_FORMAT, SkeletonFormat
+from target_service.batcher import VerifyResult
 
 
 def proposal_from_pb(request: verify_pb2.VerifyRequest, vocab_size: int) -> DraftProposal:
@@ -20,13 +21,17 @@ def proposal_from_pb(request: verify_pb2.VerifyRequest, vocab_size: int) -> Draf
     return proposal
 
 
-def verify_response(session_id: str, outcome: VerifyOutcome, is_tree: bool, batch_size: int, verify_ms: float,
+def verify_response(session_id: str, outcome: VerifyOutcome, is_tree: bool, result: VerifyResult,
                     finish: FinishReason | None) -> verify_pb2.VerifyResponse:
-    return verify_pb2.VerifyResponse(
+    response = verify_pb2.VerifyResponse(
         session_id=session_id, num_accepted_tokens=outcome.num_accepted, accepted_token_ids=outcome.token_ids,
-        accepted_tree_nodes=outcome.accepted_nodes if is_tree else [], batch_size=batch_size, verify_ms=verify_ms,
-        finish_reason=FINISH_TO_PB[finish],
+        accepted_tree_nodes=outcome.accepted_nodes if is_tree else [], batch_size=result.batch_size,
+        verify_ms=result.verify_ms, batch_tokens=result.batch_tokens, finish_reason=FINISH_TO_PB[finish],
     )
+    if result.cost is not None:
+        response.forward_fixed_ms = result.cost.fixed_ms
+        response.forward_ms_per_token = result.cost.ms_per_token
+    return response
 
 
 def skeleton_format_from_pb(pb: verify_pb2.SkeletonConstraint, max_points: int, max_title_bytes: int,

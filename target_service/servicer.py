@@ -128,10 +128,11 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         """One prepared round through the batcher, recorded in the session's state."""
         result: VerifyResult = await self.batcher.verify(session.target, proposal)
         outcome = result.outcome
-        event = session.round.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, result.verify_ms)
+        event = session.round.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, result.verify_ms,
+                                     result.cost)
         depth = proposal.num_tokens if not proposal.is_tree else max(_depths(proposal.tree_parents()), default=0)
         self.metrics.record_verification(depth, outcome.num_accepted)
-        response = verify_response(session_id, outcome, proposal.is_tree, result.batch_size, result.verify_ms, event.finish_reason)
+        response = verify_response(session_id, outcome, proposal.is_tree, result, event.finish_reason)
         if proposal.is_tree:  # node indices of the request, not of the capped tree
             response.accepted_tree_nodes[:] = [kept[node] for node in outcome.accepted_nodes]
         return response

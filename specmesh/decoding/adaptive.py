@@ -11,6 +11,18 @@ probe round with k_min is still made every `probe_every` rounds so a change in a
 Estimates are exponential moving averages. The acceptance estimate treats a round as a run of
 Bernoulli trials: n accepted of k drafted is n successes and (n < k) one failure.
 
+Under load the prior beta is wrong. A batched verify forward of N tokens costs about A + B * N ms
+(A: reading the weights, B: compute per token; `LinearCostFit` fits both on the Verify service,
+which reports them with each round as a `ForwardCost`). Maximising the batch's tokens per ms, each
+of n sessions should count its share of the forward, A / n + B * (1 + k): so beta = B / (A / n + B).
+One session on a GPU: A >> B, beta ~ 0 (draft long). Sixteen sessions on a CPU, which is compute-bound
+already: beta near 1, and a draft token must be accepted with probability > beta to pay its way,
+which a selfish session seeing only its own round time (its k is 1/16 of the batch) would not learn.
+
+Worked example: A = 24 ms, B = 2 ms
+    n = 1:  beta = 2 / (24 + 2) = 0.08      n = 16:  beta = 2 / (1.5 + 2) = 0.57
+    with a = 0.5 and free drafts, k=1 vs k=0: n = 1: 1.5 / 1.08 = 1.39 > 1 (draft); n = 16: 1.5 / 1.57 = 0.96 < 1 (plain)
+
 Worked example: a = 0.8, d = 1 ms, v1 = 10 ms, beta = 0.1
     k=0: 1 / 10 = 0.100 tok/ms      k=4: 3.36 / (4 + 14) = 0.187      k=8: 4.33 / (8 + 18) = 0.167
     -> k = 4 (k=5: 3.69 / 20 = 0.184 is already worse)
@@ -22,12 +34,71 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
+@dataclass(frozen=True)
+class ForwardCost:
+    """What the verify forward a round rode in costs: about fixed_ms + ms_per_token * tokens, shared
+    by batch_size sessions (fitted by the Verify service; see the module docstring)."""
+
+    fixed_ms: float
+    ms_per_token: float
+    batch_size: int = 1
+
+    def beta(self) -> float:
+        """This session's verify cost growth per draft token, relative to its share of the forward."""
+        share = self.fixed_ms / max(1, self.batch_size) + self.ms_per_token
+        return self.ms_per_token / share if share > 0 else 0.0
+
+
+class LinearCostFit:
+    """Least squares fit of forward ms = fixed + per_token * tokens, over recent forwards.
+
+    Sums decay by `decay` per observation (recent batches weigh more: the load and the context
+    lengths move). Until the token counts seen vary enough to tell the slope, `estimate` is None.
+
+    >>> fit = LinearCostFit()
+    >>> for tokens in (1, 5, 9, 17, 33):
+    ...     fit.observe(tokens, 20.0 + 2.0 * tokens)
+    >>> fixed, per_token = fit.estimate()
+    >>> round(fixed, 6), round(per_token, 6)
+    (20.0, 2.0)
+    """
+
+    def __init__(self, decay: float = 0.995, min_spread_tokens: float = 1.0):
+        self.decay = decay
+        self.min_spread_tokens = min_spread_tokens  # standard deviation of the token counts needed
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, tokens: int, ms: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + tokens
+        self._y = d * self._y + ms
+        self._xx = d * self._xx + tokens * tokens
+        self._xy = d * self._xy + tokens * ms
+
+    def estimate(self) -> tuple[float, float] | None:
+        """(fixed ms, ms per token), both >= 0; None until the fit is determined."""
+        if self._w <= 0:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x < self.min_spread_tokens**2:
+            return None
+        slope = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
+        return max(0.0, mean_y - slope * mean_x), slope
+
+    def cost(self, batch_size: int) -> ForwardCost | None:
+        fitted = self.estimate()
+        return None if fitted is None else ForwardCost(fitted[0], fitted[1], batch_size)
+
+
 class KPolicy(Protocol):
     """Chooses the draft length of the next round from what the previous rounds measured."""
 
     def next_k(self) -> int: ...
 
-    def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float) -> None: ...
+    def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
+               cost: ForwardCost | None = None) -> None: ...
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -42,7 +113,7 @@ class AdaptiveK:
     k_max: int = 16
     allow_zero: bool = True  # may fall back to plain decoding when drafting does not pay
     ema_weight: float = 0.3  # weight of the newest observation
-    beta: float = 0.1  # verify cost growth per verified token (fixed; see the module docstring)
+    beta: float = 0.1  # verify cost growth per verified token: the prior, until a round reports its ForwardCost
     probe_every: int = 8  # rounds at k = 0 between probes
 
     def __post_init__(self):
@@ -57,8 +128,12 @@ class AdaptiveK:
     def next_k(self) -> int:
         return self._k
 
-    def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float) -> None:
-        """Fold one round in and choose the next k."""
+    def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
+               cost: ForwardCost | None = None) -> None:
+        """Fold one round in and choose the next k; `cost` (when the verifier reports it) replaces
+        the prior beta by the measured, load-aware one."""
+        if cost is not None:
+            self.beta = self._ema(self.beta, cost.beta())
         if num_drafted > 0:
             trials = num_accepted + (1 if num_accepted < num_drafted else 0)
             observed = num_accepted / trials
@@ -98,5 +173,6 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
-    def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float) -> None:
+    def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
+               cost: ForwardCost | None = None) -> None:
         return None

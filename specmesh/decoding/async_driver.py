@@ -101,7 +101,7 @@ async def speculative_stream_async(
                 start = time.perf_counter()
                 num_drafted, outcome, their_finish, draft_ms = await verifier.step(session, k)  # type: ignore[attr-defined]
                 verify_ms = (time.perf_counter() - start) * 1e3 - draft_ms
-                event = state.record(num_drafted, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms)
+                event = state.record(num_drafted, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms, outcome.cost)
                 _check_agreement(state, their_finish)
                 yield event
                 continue
@@ -113,7 +113,8 @@ async def speculative_stream_async(
             start = time.perf_counter()
             outcome, their_finish = await verifier.verify(session, proposal)
             verify_ms = (time.perf_counter() - start) * 1e3
-            event = state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms)
+            event = state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms,
+                                 outcome.cost)
             _check_agreement(state, their_finish)
             yield event
     finally:

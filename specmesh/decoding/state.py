@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specmesh.decoding.adaptive import AdaptiveK, FixedK, KPolicy
+from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, KPolicy
 from specmesh.decoding.detokenize import TextStream
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.stats import SpecStats
@@ -144,15 +144,16 @@ class SpeculationState:
         token_ids: Sequence[int],
         draft_ms: float = 0.0,
         verify_ms: float = 0.0,
+        cost: ForwardCost | None = None,
     ) -> StepEvent:
         """Fold in one verified round: `num_drafted` draft tokens (a tree counts its accepted path's
         depth bound, the chain its length), `num_accepted` kept, and `token_ids` the accepted tokens
-        plus the final one, as the target's sequence grew."""
+        plus the final one, as the target's sequence grew; `cost`: the verify forward's, when known."""
         self._check_not_finished()
         if len(token_ids) != num_accepted + 1:
             raise ValueError(f"a round emits num_accepted + 1 = {num_accepted + 1} tokens, got {len(token_ids)}")
         self.stats.record_round(num_drafted, num_accepted, draft_ms, verify_ms)
-        self.k_policy.update(num_drafted, num_accepted, draft_ms, verify_ms)
+        self.k_policy.update(num_drafted, num_accepted, draft_ms, verify_ms, cost)
         return self._emit(list(map(int, token_ids)), num_drafted, num_accepted)
 
     def _check_not_finished(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specmesh.decoding.adaptive import ForwardCost
 from specmesh.models.engine import NO_PARENT
 
 __all__ = [
@@ -46,6 +47,7 @@ class VerifyOutcome:
     final_token_id: int  # the recovered or bonus token
     final_kind: FinalTokenKind
     logits: torch.Tensor | None = None  # [num_accepted + 1, vocab] the target's logits that judged each emitted token (on request)
+    cost: ForwardCost | None = None  # what the forward it rode in cost, where a batched service reports it
 
     @property
     def num_accepted(self) -> int:

@@ -17,7 +17,9 @@ from draft_service.options import DraftOptions
 from draft_service.server import create_server as create_draft
 from servicekit.background import BackgroundServices
 from servicekit.convert import distributions_to_pb
-from specmesh.decoding.adaptive import FixedK
+from servicekit.remote import outcome_from_pb
+from specmesh.decoding.adaptive import FixedK, ForwardCost
+from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
@@ -148,6 +150,34 @@ def test_concurrent_verify_calls_share_forwards_and_match_sequential(cluster):
     num_forwards = engine.stats.num_forwards - before - num_sessions  # minus the prefills
     assert concurrent == sequential
     assert num_forwards <= 30, f"{num_sessions * num_rounds} verify calls took {num_forwards} forwards"
+
+
+def test_verify_reports_the_fitted_forward_cost_once_draft_lengths_vary(cluster):
+    """The service fits forward ms = fixed + per_token x tokens; a client reads it into its adaptive k."""
+    _, address = cluster["verify"]
+    prompt = [(3 * i) % 200 + 1 for i in range(16)]
+
+    async def run():
+        async with channel(address) as ch:
+            stub = verify_pb2_grpc.VerifyServiceStub(ch)
+            opened = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(
+                prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0, ignore_eos=True,
+                                                                            max_new_tokens=400)), timeout=TIMEOUT_S)
+            responses = []
+            for k in [0, 6, 1, 5, 2, 4] * 3:
+                draft = DraftProposal(token_ids=[(11 * i) % 200 + 1 for i in range(k)])
+                response = await stub.Verify(verify_pb2.VerifyRequest(session_id=opened.session_id,
+                                                                      draft_token_ids=draft.token_ids), timeout=TIMEOUT_S)
+                responses.append((k, draft, response))
+            await stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id))
+            return responses
+
+    responses = asyncio.run(run())
+    assert all(r.batch_tokens == 1 + k and r.batch_size == 1 for k, _, r in responses)
+    k, draft, last = responses[-1]
+    assert last.HasField("forward_fixed_ms") and last.HasField("forward_ms_per_token")
+    assert last.forward_fixed_ms >= 0 and last.forward_ms_per_token >= 0
+    assert outcome_from_pb(last, draft).cost == ForwardCost(last.forward_fixed_ms, last.forward_ms_per_token, 1)
 
 
 def _code(call) -> grpc.StatusCode:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specmesh.decoding.adaptive import AdaptiveK, FixedK, expected_tokens
+from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, LinearCostFit, expected_tokens
 from specmesh.decoding.stats import SpecStats
 
 
@@ -63,3 +63,56 @@ def test_stats_definitions():
     total.merge(stats)
     total.merge(stats)
     assert total.accepted_per_position == [4, 2, 2, 2] and total.num_drafts == 4
+
+
+def test_forward_cost_beta_worked_example():
+    assert ForwardCost(24.0, 2.0, 1).beta() == pytest.approx(2 / 26)
+    assert ForwardCost(24.0, 2.0, 16).beta() == pytest.approx(2 / 3.5)
+    assert ForwardCost(0.0, 0.0, 4).beta() == 0.0
+
+
+def _settle(policy: AdaptiveK, acceptance_per_token: float, cost: ForwardCost | None, rounds: int = 40) -> list[int]:
+    """Rounds where each draft token is accepted with the given rate (deterministically, by counting)."""
+    ks, credit = [], 0.0
+    for _ in range(rounds):
+        k = policy.next_k()
+        ks.append(k)
+        accepted = 0
+        for _ in range(k):
+            credit += acceptance_per_token
+            if credit < 1:
+                break
+            credit -= 1
+            accepted += 1
+        share = 1.5 + 2.0 * (1 + k) if cost is None else cost.fixed_ms / cost.batch_size + cost.ms_per_token * (1 + k)
+        policy.update(k, accepted, draft_ms=0.0, verify_ms=share, cost=cost)
+    return ks
+
+
+def test_a_loaded_batch_makes_mediocre_drafts_stop_but_one_session_keeps_them():
+    """The docstring's example: a = 0.5 pays alone (beta 0.08) and not in a batch of 16 (beta 0.57)."""
+    alone = _settle(AdaptiveK(k_init=2, k_max=8), 0.5, ForwardCost(24.0, 2.0, 1))
+    loaded = _settle(AdaptiveK(k_init=2, k_max=8), 0.5, ForwardCost(24.0, 2.0, 16))
+    assert all(k > 0 for k in alone[-10:]), alone
+    assert sum(k == 0 for k in loaded[-16:]) >= 12, loaded  # plain decoding, but for probes
+    # the prior beta (0.1) cannot tell: without the reported cost the loaded session keeps drafting
+    unaware = _settle(AdaptiveK(k_init=2, k_max=8), 0.5, None)
+    assert all(k > 0 for k in unaware[-10:]), unaware
+
+
+def test_linear_cost_fit_waits_for_spread_then_follows_recent_forwards():
+    fit = LinearCostFit(decay=0.9)
+    for _ in range(5):
+        fit.observe(16, 40.0)
+    assert fit.estimate() is None and fit.cost(4) is None  # one batch size: no slope
+    for _ in range(200):
+        for tokens in (8, 16, 32):
+            fit.observe(tokens, 10.0 + 3.0 * tokens)
+    fixed, per_token = fit.estimate()
+    assert fixed == pytest.approx(10.0, rel=1e-3) and per_token == pytest.approx(3.0, rel=1e-3)
+    assert fit.cost(4) == ForwardCost(fixed, per_token, 4)
+    assert LinearCostFit().estimate() is None
+    noisy = LinearCostFit()  # a slope never comes out negative (noise on a flat cost): 0, and the mean
+    for tokens, ms in ((8, 50.0), (32, 20.0)) * 10:
+        noisy.observe(tokens, ms)
+    assert noisy.estimate() == (pytest.approx(35.0, abs=0.1), 0.0)

@@ -196,6 +196,9 @@ class VerifyResponse(_message.Message):
     ROUND_INDEX_FIELD_NUMBER: _builtins.int
     STATUS_CODE_FIELD_NUMBER: _builtins.int
     STATUS_MESSAGE_FIELD_NUMBER: _builtins.int
+    FORWARD_FIXED_MS_FIELD_NUMBER: _builtins.int
+    FORWARD_MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    BATCH_TOKENS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_accepted_tokens: _builtins.int
     """how many draft tokens were accepted (a prefix / a tree path)"""
@@ -211,6 +214,14 @@ class VerifyResponse(_message.Message):
     """VerifyBatch only: 0 = applied; else the grpc status code of"""
     status_message: _builtins.str
     """this item's failure (the session is then unchanged)"""
+    forward_fixed_ms: _builtins.float
+    """The service's fit of one verify forward's cost: about forward_fixed_ms + forward_ms_per_token x
+    tokens (tokens: every session's pending token and draft in the batch). Unset until the fit is
+    determined. A client choosing its draft length counts its share: fixed / batch_size + per_token x (1 + k).
+    """
+    forward_ms_per_token: _builtins.float
+    batch_tokens: _builtins.int
+    """tokens in the forward this call rode in"""
     @_builtins.property
     def accepted_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the accepted draft tokens followed by the target's own token"""
@@ -232,12 +243,22 @@ class VerifyResponse(_message.Message):
         round_index: _builtins.int = ...,
         status_code: _builtins.int = ...,
         status_message: _builtins.str = ...,
+        forward_fixed_ms: _builtins.float | None = ...,
+        forward_ms_per_token: _builtins.float | None = ...,
+        batch_tokens: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_token_ids", b"accepted_token_ids", "accepted_tree_nodes", b"accepted_tree_nodes", "batch_size", b"batch_size", "finish_reason", b"finish_reason", "num_accepted_tokens", b"num_accepted_tokens", "round_index", b"round_index", "session_id", b"session_id", "status_code", b"status_code", "status_message", b"status_message", "verify_ms", b"verify_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "accepted_token_ids", b"accepted_token_ids", "accepted_tree_nodes", b"accepted_tree_nodes", "batch_size", b"batch_size", "batch_tokens", b"batch_tokens", "finish_reason", b"finish_reason", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token", "num_accepted_tokens", b"num_accepted_tokens", "round_index", b"round_index", "session_id", b"session_id", "status_code", b"status_code", "status_message", b"status_message", "verify_ms", b"verify_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__forward_fixed_ms: _TypeAlias = _typing.Literal["forward_fixed_ms"]  # noqa: Y015
+    _WhichOneofArgType__forward_fixed_ms: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms"]  # noqa: Y015
+    _WhichOneofReturnType__forward_ms_per_token: _TypeAlias = _typing.Literal["forward_ms_per_token"]  # noqa: Y015
+    _WhichOneofArgType__forward_ms_per_token: _TypeAlias = _typing.Literal["_forward_ms_per_token", b"_forward_ms_per_token"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__forward_fixed_ms) -> _WhichOneofReturnType__forward_fixed_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__forward_ms_per_token) -> _WhichOneofReturnType__forward_ms_per_token | None: ...
 
 Global___VerifyResponse: _TypeAlias = VerifyResponse  # noqa: Y015
 
