@@ -6,9 +6,11 @@
    fused on the Verify service) and a bf16 self-draft (the Draft service); with the per-round
    draft / verify time each side measured, so the RPC cost per round shows.
 2. Aggregate tokens/s at 1, 4 and 16 concurrent clients through the coordinator, speculative
-   (n-gram) and autoregressive.
+   (n-gram) and autoregressive: each client asks the prompts one after the other (the same work in
+   both modes); the two modes alternate, AGGREGATE_REPEATS times, and the medians are compared.
 
-    .venv/bin/python bench/cluster.py            # ~5 minutes; writes bench/results/cluster.{json,md}
+    .venv/bin/python bench/cluster.py            # ~8 minutes; writes bench/results/cluster.{json,md}
+    SPECMESH_BENCH_PARTS=concurrency .venv/bin/python bench/cluster.py   # one part (overhead, concurrency)
 Medians over prompts and repeats; ratios come from one run.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
@@ -53,6 +56,7 @@ PROMPTS = [
 ]
 CONCURRENCY = (1, 4, 16)
 CONCURRENT_NEW_TOKENS = 32
+AGGREGATE_REPEATS = 3
 ALGORITHMS = {  # name: (in-process drafter kind, coordinator mode, coordinator drafter)
     "target only": ("none", coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE, ""),
     "n-gram, drafted in the coordinator": ("ngram", coordinator_pb2.GENERATION_MODE_SPECULATIVE, "ngram"),
@@ -84,7 +88,8 @@ async def through_cluster(address: str, prompt: str, mode: int, drafter: str, ma
         wall = time.perf_counter() - start
     assert stats is not None
     rounds = max(1, stats.num_target_forwards - 1)
-    return {"tokens": tokens, "wall_s": wall, "rounds": rounds,
+    return {"tokens": tokens, "wall_s": wall, "rounds": rounds, "drafted": stats.num_draft_tokens,
+            "accepted": stats.num_accepted_tokens,
             "draft_ms_per_round": stats.draft_ms / rounds, "verify_ms_per_round": stats.verify_ms / rounds}
 
 
@@ -137,12 +142,40 @@ def overhead(address: str, folder: str, tokenizer) -> list[dict]:
 
 
 async def concurrent(address: str, n: int, mode: int, drafter: str) -> dict:
+    """n clients, each asking every prompt in turn (client i starts at prompt i)."""
+    async def client(i: int) -> list[dict]:
+        return [await through_cluster(address, PROMPTS[(i + j) % len(PROMPTS)] + f" ({i})", mode, drafter,
+                                      CONCURRENT_NEW_TOKENS) for j in range(len(PROMPTS))]
+
     start = time.perf_counter()
-    results = await asyncio.gather(*(through_cluster(address, PROMPTS[i % len(PROMPTS)] + f" ({i})", mode, drafter,
-                                                     CONCURRENT_NEW_TOKENS) for i in range(n)))
+    results = [r for runs in await asyncio.gather(*(client(i) for i in range(n))) for r in runs]
     wall = time.perf_counter() - start
     tokens = sum(len(r["tokens"]) for r in results)
-    return {"clients": n, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    return {"clients": n, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "drafted_per_round": sum(r["drafted"] for r in results) / sum(r["rounds"] for r in results),
+            "acceptance": sum(r["accepted"] for r in results) / max(1, sum(r["drafted"] for r in results))}
+
+
+def aggregate(address: str) -> list[dict]:
+    """Speculative (n-gram) and autoregressive alternate (which goes first alternates too); medians."""
+    modes = {"speculative": (coordinator_pb2.GENERATION_MODE_SPECULATIVE, "ngram"),
+             "autoregressive": (coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE, "")}
+    rows = []
+    for n in CONCURRENCY:
+        runs: dict[str, list[dict]] = {name: [] for name in modes}
+        for repeat in range(AGGREGATE_REPEATS):
+            for name in (list(modes) if repeat % 2 == 0 else list(modes)[::-1]):
+                runs[name].append(asyncio.run(concurrent(address, n, *modes[name])))
+        row = {"clients": n, "runs": runs}
+        for name in modes:
+            row[name] = statistics.median(r["tokens_per_s"] for r in runs[name])
+        row["drafted_per_round"] = statistics.median(r["drafted_per_round"] for r in runs["speculative"])
+        row["acceptance"] = statistics.median(r["acceptance"] for r in runs["speculative"])
+        row["ratio"] = row["speculative"] / row["autoregressive"]
+        print(f"  {n} clients: speculative / autoregressive = {row['ratio']:.2f} "
+              f"({row['speculative']:.1f} / {row['autoregressive']:.1f} tok/s)", flush=True)
+        rows.append(row)
+    return rows
 
 
 def render(out: dict) -> str:
@@ -156,24 +189,28 @@ def render(out: dict) -> str:
         "draft ms/round (in-process / cluster) | verify ms/round (in-process / cluster) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in out["overhead"]:
+    for r in out.get("overhead", []):
         lines.append(f"| {r['algorithm']} | {r['exact']} | {r['in_process_ms_per_token']:.1f} | {r['cluster_ms_per_token']:.1f} | "
                      f"{r['ratio']:.3f} | {r['in_process_tokens_per_round']:.2f} | "
                      f"{r['in_process_draft_ms_per_round']:.1f} / {r['cluster_draft_ms_per_round']:.1f} | "
                      f"{r['in_process_verify_ms_per_round']:.1f} / {r['cluster_verify_ms_per_round']:.1f} |")
     lines += ["", "Cluster draft / verify ms per round are measured by the coordinator around its RPCs (network, "
               "batching window and the services' queues included); in-process ones around the calls.", "",
-              f"## Aggregate tokens/s through the coordinator ({CONCURRENT_NEW_TOKENS} new tokens per client)", "",
-              "| clients | speculative (n-gram) tok/s | autoregressive tok/s | speculative / autoregressive |", "|---|---|---|---|"]
-    for spec, ar in zip(out["concurrency"]["speculative"], out["concurrency"]["autoregressive"]):
-        lines.append(f"| {spec['clients']} | {spec['tokens_per_s']:.1f} | {ar['tokens_per_s']:.1f} | "
-                     f"{spec['tokens_per_s'] / ar['tokens_per_s']:.2f} |")
+              f"## Aggregate tokens/s through the coordinator ({CONCURRENT_NEW_TOKENS} new tokens per request)", "",
+              f"Each client asks the {len(PROMPTS)} prompts in turn; the modes alternate, {AGGREGATE_REPEATS} runs each, "
+              "medians. Drafted per round and acceptance: the speculative runs' (adaptive k).", "",
+              "| clients | speculative (n-gram) tok/s | autoregressive tok/s | speculative / autoregressive | "
+              "drafted per round | acceptance |", "|---|---|---|---|---|---|"]
+    for row in out.get("concurrency", []):
+        lines.append(f"| {row['clients']} | {row['speculative']:.1f} | {row['autoregressive']:.1f} | {row['ratio']:.2f} | "
+                     f"{row['drafted_per_round']:.2f} | {row['acceptance']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     from transformers import AutoTokenizer
 
+    parts = os.environ.get("SPECMESH_BENCH_PARTS", "overhead,concurrency").split(",")
     folder = str(resolve_model_spec("default"))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     out: dict = {"model": "default (SmolLM2-135M-Instruct)", "machine": platform.processor() or platform.machine()}
@@ -182,15 +219,12 @@ def main() -> int:
         config.write_text(yaml.safe_dump(cluster_config(folder)))
         with Cluster.from_yaml(config, log_dir=tmp) as cluster:
             address = cluster.addresses["coordinator"]
-            print("overhead, one session:", flush=True)
-            out["overhead"] = overhead(address, folder, tokenizer)
-            print("aggregate tokens/s:", flush=True)
-            out["concurrency"] = {
-                "speculative": [asyncio.run(concurrent(address, n, coordinator_pb2.GENERATION_MODE_SPECULATIVE, "ngram"))
-                                for n in CONCURRENCY],
-                "autoregressive": [asyncio.run(concurrent(address, n, coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE, ""))
-                                   for n in CONCURRENCY],
-            }
+            if "overhead" in parts:
+                print("overhead, one session:", flush=True)
+                out["overhead"] = overhead(address, folder, tokenizer)
+            if "concurrency" in parts:
+                print("aggregate tokens/s:", flush=True)
+                out["concurrency"] = aggregate(address)
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / "cluster.json").write_text(json.dumps(out, indent=2))

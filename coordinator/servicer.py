@@ -23,6 +23,7 @@ from servicekit.auth import ANONYMOUS, END_USER_KEY, current_principal
 from servicekit.convert import FINISH_TO_PB, sampling_from_pb, stats_to_pb
 from servicekit.errors import Downstream, Unavailable, rpc_method
 from servicekit.metrics import ServiceMetrics
+from servicekit.streams import read_ahead
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.async_driver import TargetInfo, speculative_stream_async
 from specmesh.decoding.sampling import SamplingParams
@@ -33,6 +34,7 @@ from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specmesh.routing.replica import NoHealthyReplica
 from specmesh.skeleton.automaton import SkeletonFormat
 
+READ_AHEAD_RESPONSES = 8  # rounds a stream may run ahead of a slow client before it waits
 MODES = {
     coordinator_pb2.GENERATION_MODE_UNSPECIFIED: None,
     coordinator_pb2.GENERATION_MODE_SPECULATIVE: "speculative",
@@ -97,9 +99,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         params = sampling_from_pb(request.sampling, self.info.vocab_size, self.options.default_max_new_tokens)
         calls, failovers = self._calls(context), Failovers()
         if mode == "skeleton":
-            responses = self._skeleton(request, prompt_ids, params, calls, failovers, drafter_kind)
+            source = self._skeleton(request, prompt_ids, params, calls, failovers, drafter_kind)
         else:
-            responses = self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers)
+            source = self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers)
+        responses = read_ahead(source, READ_AHEAD_RESPONSES)  # the next round runs while this one is written
         self.num_requests += 1
         self.num_active += 1
         finished = False
