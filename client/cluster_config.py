@@ -13,6 +13,7 @@
         ...                # any option of that kind (python -m target_service --help)
       coordinator:
         kind: coordinator  # draft_addresses / verify_addresses: every draft / verify replica above,
+                           # cascade_stages: every stage service above in file order (or names / addresses),
                            # unless given; model: the verify service's, unless given
 
 `replicas` and `torch_threads` are read by the launcher, every other key is passed as a flag.
@@ -136,6 +137,31 @@ def _inherit_target_model(specs: list[ServiceSpec], services: dict) -> None:
             spec.options["model"] = verify_models[0]
 
 
+def _cascade_stages(configured: str | None, specs: list[ServiceSpec]) -> dict[str, str]:
+    """A coordinator's cascade: the stage services of the file, in file order (cheapest first), unless
+    it names its own; there a stage service's config name stands for its (first) replica's address.
+
+    >>> specs = [ServiceSpec("int8", "stage", {"port": 7}, group="int8"), ServiceSpec("bf16", "stage", {"port": 8}, group="bf16")]
+    >>> _cascade_stages(None, specs)
+    {'cascade_stages': '127.0.0.1:7, 127.0.0.1:8'}
+    >>> _cascade_stages("bf16 extend=2", specs)
+    {'cascade_stages': '127.0.0.1:8 extend=2'}
+    """
+    first = {}
+    for s in specs:
+        if s.kind == "stage":
+            first.setdefault(s.group or s.name, s.address)
+    if configured is None:
+        return {"cascade_stages": ", ".join(first.values())} if first else {}
+    parts = []
+    for part in configured.split(","):
+        words = part.split()
+        if words and words[0] in first:
+            words[0] = first[words[0]]
+        parts.append(" ".join(words))
+    return {"cascade_stages": ", ".join(p for p in parts if p)}
+
+
 def link_coordinators(specs: list[ServiceSpec]) -> None:
     """Fill each coordinator's draft_addresses / verify_addresses with every draft / verify replica of
     the cluster, unless the config names them (call once every port is known)."""
@@ -147,6 +173,7 @@ def link_coordinators(specs: list[ServiceSpec]) -> None:
             addresses = [s.address for s in specs if s.kind == kind]
             if key not in spec.options and addresses:
                 spec.options[key] = ",".join(addresses)
+        spec.options.update(_cascade_stages(spec.options.get("cascade_stages"), specs))
     coordinators = [s for s in specs if s.kind == "coordinator"]
     for spec in specs:  # a gateway fronts the cluster's (first) coordinator unless the config names one
         if spec.kind == "gateway" and "coordinator" not in spec.options and coordinators:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 
+from coordinator.cascade import CascadeStages, parse_cascade_stages
 from coordinator.options import DRAFTERS, MODES, CoordinatorOptions
 from coordinator.pools import ServicePool, parse_addresses
 from coordinator.servicer import CoordinatorServicer
@@ -73,13 +74,15 @@ async def create_server(options: CoordinatorOptions) -> tuple[ServiceHandle, int
     draft = ServicePool("draft", parse_addresses(options.draft_addresses), options.router, open_downstream)
     info = await target_info(verify, time.monotonic() + INFO_WAIT_S)
     metrics = ServiceMetrics("coordinator")
-    servicer = CoordinatorServicer(options, tokenizer, info, verify, draft, metrics)
+    cascade = CascadeStages(parse_cascade_stages(options.cascade_stages), open_downstream)
+    servicer = CoordinatorServicer(options, tokenizer, info, verify, draft, metrics, cascade)
     for pool in (verify, draft):
         pool.start_health_checks(options.health_interval_s)
 
     async def close_pools() -> None:
         await verify.close()
         await draft.close()
+        await cascade.close()
 
     handle = await start_service(options, metrics, servicer, [SERVICE_NAME], on_stop=[close_pools])
     return handle, handle.port

@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 
+from coordinator.cascade import NO_CASCADE, CascadeStages, NamedCascade, cascade_stats_pb
 from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier
 from coordinator.options import DRAFTERS, CoordinatorOptions
 from coordinator.pools import ServicePool
@@ -25,7 +26,7 @@ from servicekit.errors import Downstream, Unavailable, rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.streams import read_ahead
 from specmesh.decoding.adaptive import FixedK
-from specmesh.decoding.async_driver import TargetInfo, speculative_stream_async
+from specmesh.decoding.async_driver import AsyncDrafter, TargetInfo, speculative_stream_async
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.verifier import validate_prompt
@@ -46,7 +47,7 @@ MODES = {
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(self, options: CoordinatorOptions, tokenizer, info: TargetInfo, verify: ServicePool, draft: ServicePool,
-                 metrics: ServiceMetrics):
+                 metrics: ServiceMetrics, cascade: CascadeStages | None = None):
         import torch
 
         self.options = options
@@ -55,6 +56,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.verify = verify
         self.draft = draft
         self.metrics = metrics
+        self.cascade = cascade or CascadeStages()  # no stages configured: a request naming one is refused
         self.q_dtype = getattr(torch, options.q_dtype)
         self.totals = SpecStats()
         self.num_requests = self.num_active = self.num_failed = self.num_failovers = 0
@@ -130,8 +132,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if mode == "speculative" and drafter_kind != "none":
             drafter = FailoverDrafter(self.draft, calls, failovers, use_service=drafter_kind == "service" and bool(self.draft),
                                       q_dtype=self.q_dtype, sparse_q=self.options.sparse_q)
+        outer: AsyncDrafter | None = drafter
+        if mode == "speculative":  # the base drafter under the request's Stage services, if it names any
+            outer = await self.cascade.wrap(drafter, request.cascade, calls, failovers, self.info.vocab_size,
+                                            sparse_q=self.options.sparse_q)
+        elif request.cascade and request.cascade != NO_CASCADE:
+            raise ValueError(f"a cascade runs in speculative mode, not {mode}")
         k_policy = FixedK(request.num_draft_tokens) if request.num_draft_tokens and mode != "autoregressive" else None
-        stream = speculative_stream_async(verifier, drafter, prompt_ids, params, k_policy=k_policy, decode=self._decode,
+        stream = speculative_stream_async(verifier, outer, prompt_ids, params, k_policy=k_policy, decode=self._decode,
                                           fused=mode == "fused")
         try:
             async for event in stream:
@@ -139,6 +147,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 if event.finish_reason is not None:
                     response.finish_reason = FINISH_TO_PB[event.finish_reason]
                     response.stats.CopyFrom(self._final_stats(event.stats, mode, drafter, failovers))
+                    if isinstance(outer, NamedCascade):
+                        response.stats.cascade_stages.extend(cascade_stats_pb(outer))
                 yield response
         finally:
             await stream.aclose()

@@ -14,6 +14,6 @@ def verify_and_extend_response(out: StageOutput, return_q: bool, vocab_size: int
         num_accepted_tokens=out.num_accepted, proposal_token_ids=out.proposal, stage_ms=stage_ms,
         features=[stage_pb2.TokenFeatures(entropy_nats=f.entropy_nats, top1_prob=f.top1_prob, token_logprob=f.token_logprob)
                   for f in out.features])
-    if return_q:
+    if return_q and out.q is not None:
         response.distributions.CopyFrom(distributions_to_pb(out.q, torch.float32, False, vocab_size))
     return response

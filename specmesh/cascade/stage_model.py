@@ -49,7 +49,7 @@ class StageSession:
 class StageOutput:
     num_accepted: int
     proposal: list[int]  # accepted draft tokens + this stage's own tokens
-    q: torch.Tensor  # [len(proposal), vocab] this stage's processed p at each proposal token
+    q: torch.Tensor | None  # [len(proposal), vocab] this stage's processed p at each proposal token (None: not sent)
     features: list[TokenFeatures]
 
 
@@ -59,6 +59,16 @@ class StageModel:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.verifier = TargetVerifier(engine)
+
+    @property
+    def max_context(self) -> int:
+        """The stage's context window, tokens (a cascade caps the drafts it sends here by it)."""
+        return self.engine.max_context
+
+    @property
+    def device(self) -> torch.device:
+        """Where the generator passed to `open` must live."""
+        return self.engine.device
 
     def open(self, prompt: Sequence[int], params: SamplingParams, generator: torch.Generator) -> StageSession:
         """No forward yet: the prompt is fed with the first draft."""

@@ -267,6 +267,8 @@ class SpeculationStats(_message.Message):
     DRAFTER_FIELD_NUMBER: _builtins.int
     NUM_FAILOVERS_FIELD_NUMBER: _builtins.int
     FAILOVERS_FIELD_NUMBER: _builtins.int
+    CASCADE_STAGES_FIELD_NUMBER: _builtins.int
+    LOSSY_FIELD_NUMBER: _builtins.int
     num_drafts: _builtins.int
     """verify rounds that had at least one draft token"""
     num_draft_tokens: _builtins.int
@@ -291,6 +293,8 @@ class SpeculationStats(_message.Message):
     """the drafter that finished the request ("" = none: target only)"""
     num_failovers: _builtins.int
     """times a failed service was replaced mid-request"""
+    lossy: _builtins.bool
+    """false = exactly the target's output; true only for an opt-in lossy mode"""
     @_builtins.property
     def accepted_per_position(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[max k] accepted count at draft position i"""
@@ -298,6 +302,10 @@ class SpeculationStats(_message.Message):
     @_builtins.property
     def failovers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """what each failover did, e.g. "draft -> ngram", "verify a -> b" """
+
+    @_builtins.property
+    def cascade_stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___CascadeStageStats]:
+        """a cascade's stages, cheapest first (empty: none)"""
 
     def __init__(
         self,
@@ -316,14 +324,62 @@ class SpeculationStats(_message.Message):
         drafter: _builtins.str = ...,
         num_failovers: _builtins.int = ...,
         failovers: _abc.Iterable[_builtins.str] | None = ...,
+        cascade_stages: _abc.Iterable[Global___CascadeStageStats] | None = ...,
+        lossy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_per_position", b"accepted_per_position", "draft_ms", b"draft_ms", "drafter", b"drafter", "failovers", b"failovers", "mean_accepted_length", b"mean_accepted_length", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_drafts", b"num_drafts", "num_failovers", b"num_failovers", "num_generated_tokens", b"num_generated_tokens", "num_target_forwards", b"num_target_forwards", "seed", b"seed", "tokens_per_s", b"tokens_per_s", "verify_ms", b"verify_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_per_position", b"accepted_per_position", "cascade_stages", b"cascade_stages", "draft_ms", b"draft_ms", "drafter", b"drafter", "failovers", b"failovers", "lossy", b"lossy", "mean_accepted_length", b"mean_accepted_length", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_drafts", b"num_drafts", "num_failovers", b"num_failovers", "num_generated_tokens", b"num_generated_tokens", "num_target_forwards", b"num_target_forwards", "seed", b"seed", "tokens_per_s", b"tokens_per_s", "verify_ms", b"verify_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SpeculationStats: _TypeAlias = SpeculationStats  # noqa: Y015
+
+@_typing.final
+class CascadeStageStats(_message.Message):
+    """One Stage service's work in a cascade request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAGE_FIELD_NUMBER: _builtins.int
+    NUM_ROUNDS_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_PROPOSED_TOKENS_FIELD_NUMBER: _builtins.int
+    STAGE_MS_FIELD_NUMBER: _builtins.int
+    RETIRED_FIELD_NUMBER: _builtins.int
+    stage: _builtins.str
+    """its address (or name)"""
+    num_rounds: _builtins.int
+    """VerifyAndExtend calls"""
+    num_draft_tokens: _builtins.int
+    """lower-draft tokens it verified"""
+    num_accepted_tokens: _builtins.int
+    """of those, accepted"""
+    num_proposed_tokens: _builtins.int
+    """tokens it sent up"""
+    stage_ms: _builtins.float
+    """time in its calls"""
+    retired: _builtins.bool
+    """dropped mid-request (no room left, or its service failed)"""
+    def __init__(
+        self,
+        *,
+        stage: _builtins.str = ...,
+        num_rounds: _builtins.int = ...,
+        num_draft_tokens: _builtins.int = ...,
+        num_accepted_tokens: _builtins.int = ...,
+        num_proposed_tokens: _builtins.int = ...,
+        stage_ms: _builtins.float = ...,
+        retired: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_proposed_tokens", b"num_proposed_tokens", "num_rounds", b"num_rounds", "retired", b"retired", "stage", b"stage", "stage_ms", b"stage_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CascadeStageStats: _TypeAlias = CascadeStageStats  # noqa: Y015
 
 @_typing.final
 class KvUsage(_message.Message):

@@ -94,6 +94,7 @@ class GenerateRequest(_message.Message):
     MAX_PARALLEL_FIELD_NUMBER: _builtins.int
     DOCUMENTS_FIELD_NUMBER: _builtins.int
     SKELETON_PREFIX_FIELD_NUMBER: _builtins.int
+    CASCADE_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """raw text, tokenized as-is"""
     mode: Global___GenerationMode.ValueType
@@ -114,6 +115,12 @@ class GenerateRequest(_message.Message):
     """
     skeleton_prefix: _builtins.str
     """forced start of the plan, e.g. "[PLAN]\\n" (the grammar must"""
+    cascade: _builtins.str
+    """accept it); the model writes the rest under the grammar
+    Speculative mode, lossless cascade: the drafter's proposal climbs Stage services before the
+    target verifies it (output unchanged). "" = the coordinator's configured cascade_stages, "none"
+    = no cascade, else "addr [extend=m] [draft=k], ..." naming configured stages, cheapest first.
+    """
     @_builtins.property
     def chat(self) -> Global___ChatMessages:
         """rendered with the model's chat template"""
@@ -137,10 +144,11 @@ class GenerateRequest(_message.Message):
         max_parallel: _builtins.int = ...,
         documents: _abc.Iterable[_builtins.str] | None = ...,
         skeleton_prefix: _builtins.str = ...,
+        cascade: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "documents", b"documents", "drafter", b"drafter", "input", b"input", "max_parallel", b"max_parallel", "mode", b"mode", "num_draft_tokens", b"num_draft_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "skeleton_prefix", b"skeleton_prefix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cascade", b"cascade", "chat", b"chat", "documents", b"documents", "drafter", b"drafter", "input", b"input", "max_parallel", b"max_parallel", "mode", b"mode", "num_draft_tokens", b"num_draft_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "skeleton_prefix", b"skeleton_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015

@@ -1,0 +1,230 @@
+"""The lossless cascade as a drafter: base drafter -> stage 1 -> ... -> stage S, verified by the target.
+
+    drafter = CascadeDrafter(PromptLookupDrafter(), [StageModel(mid_engine)], [StageSpec(num_extend_tokens=1)])
+    result = generate(TargetVerifier(target_engine), drafter, prompt_ids, params)   # = target-only output
+
+The target's round (`specmesh.decoding.state`) is unchanged: the cascade is one more `Drafter`, so
+every driver steps it as it steps any drafter. `CascadeDrafter` runs in-process (a `Drafter` over a
+base `Drafter` and in-process `Stage`s such as `StageModel`); `AsyncCascadeDrafter` is the same round
+as an `AsyncDrafter` over an async base drafter and `AsyncStage`s (a Stage service through
+`servicekit.remote_stage.RemoteStage`), for the Coordinator. What each level drafts, the caps, which
+q goes up and how the base drafter is told what the target confirmed is `specmesh.cascade.plan`; the
+two classes here only make the calls.
+
+Randomness: each stage draws from its own generator, seeded with `stage_seed(request seed, i)`;
+in-process the request's seed is read back from the draft generator (seeded with `draft_seed` of it),
+so a seeded run gives the same tokens in-process and over the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from specmesh.cascade.plan import CascadeBook, StageSpec, StageStats, stage_seed
+from specmesh.cascade.stage_model import StageOutput
+from specmesh.decoding.async_driver import AsyncDrafter
+from specmesh.decoding.proposal import Drafter, DraftProposal
+from specmesh.decoding.sampling import SamplingParams, make_generator
+from specmesh.decoding.state import draft_seed
+
+
+class Stage(Protocol):
+    """A middle model of the cascade, in-process (`specmesh.cascade.stage_model.StageModel`)."""
+
+    @property
+    def max_context(self) -> int:
+        """Its context window, tokens."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where its generator lives."""
+        ...
+
+    def open(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> Any: ...
+
+    def verify_and_extend(self, session: Any, accepted: Sequence[int], draft: Sequence[int], q: torch.Tensor | None,
+                          num_extend: int) -> StageOutput: ...
+
+    def close(self, session: Any) -> None: ...
+
+
+class AsyncStage(Protocol):
+    """A middle model of the cascade behind `await` (`servicekit.remote_stage.RemoteStage`)."""
+
+    async def max_context(self) -> int: ...
+
+    async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> Any:
+        """`params.seed` is this stage's seed (`stage_seed`)."""
+        ...
+
+    async def verify_and_extend(self, session: Any, accepted: Sequence[int], draft: Sequence[int], q: torch.Tensor | None,
+                                num_extend: int) -> StageOutput: ...
+
+    async def close(self, session: Any) -> None: ...
+
+
+def _check_specs(num_stages: int, specs: Sequence[StageSpec] | None) -> list[StageSpec]:
+    specs = [StageSpec() for _ in range(num_stages)] if specs is None else list(specs)
+    if len(specs) != num_stages:
+        raise ValueError(f"{len(specs)} stage specs for {num_stages} stages")
+    return specs
+
+
+@dataclass
+class CascadeState:
+    base: Any  # the base drafter's state (None without a base drafter)
+    prompt_ids: list[int]
+    book: CascadeBook | None = None  # made on the first proposal, which brings the sampling params
+    stages: list[Any] = field(default_factory=list)  # each stage's session
+
+    @property
+    def stage_stats(self) -> list[StageStats]:
+        return self.book.stats if self.book is not None else []
+
+
+class CascadeDrafter:
+    """`Drafter` over a base drafter (None: the first stage drafts alone) and in-process stages.
+    Not thread-safe: one engine thread calls it (all its models)."""
+
+    name = "cascade"
+
+    def __init__(self, base: Drafter | None, stages: Sequence[Stage], specs: Sequence[StageSpec] | None = None):
+        self.base = base
+        self.stages = list(stages)
+        self.specs = _check_specs(len(self.stages), specs)
+        self.device = base.device if base is not None else torch.device("cpu")  # of the generator `propose` gets
+
+    def open(self, prompt_ids: Sequence[int]) -> CascadeState:
+        """The base drafter's session now; the stages' on the first proposal (they need the params)."""
+        prompt = [int(t) for t in prompt_ids]
+        return CascadeState(self.base.open(prompt) if self.base is not None else None, prompt)
+
+    def check_call(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> None:
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+
+    def propose(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int,
+                params: SamplingParams, generator: torch.Generator) -> DraftProposal:
+        if state.book is None:
+            self._open_stages(state, params, generator)
+        book = state.book
+        assert book is not None  # made just above
+        proposal = DraftProposal(token_ids=[])
+        for tokens, k in book.start_round(accepted_since_last, max_tokens):
+            if self.base is not None:
+                proposal = self.base.propose(state.base, tokens, k, params, generator)
+        proposal = book.base_proposed(proposal)
+        for i, stage in enumerate(self.stages):
+            call = book.stage_call(i, proposal)
+            if call is None:
+                continue
+            start = time.perf_counter()
+            out = stage.verify_and_extend(state.stages[i], call.accepted, call.draft.token_ids, call.draft.q,
+                                          call.num_extend_tokens)
+            proposal = book.stage_done(i, call, out, (time.perf_counter() - start) * 1e3)
+        return proposal
+
+    def propose_many(self, states, accepted, max_tokens, params, generators) -> list[DraftProposal]:
+        return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]
+
+    def close(self, state: CascadeState) -> None:
+        for stage, session in zip(self.stages, state.stages):
+            stage.close(session)
+        state.stages = []
+        if self.base is not None:
+            self.base.close(state.base)
+
+    def _open_stages(self, state: CascadeState, params: SamplingParams, generator: torch.Generator) -> None:
+        seed = draft_seed(generator.initial_seed())  # the request's seed (draft_seed is its own inverse)
+        for i, stage in enumerate(self.stages):
+            stage_generator, _ = make_generator(stage_seed(seed, i), stage.device)
+            state.stages.append(stage.open(state.prompt_ids, params, stage_generator))
+        state.book = CascadeBook(self.specs, [stage.max_context for stage in self.stages], len(state.prompt_ids),
+                                 keep_q=not params.is_greedy)
+
+
+class AsyncCascadeDrafter:
+    """`AsyncDrafter` over an async base drafter (None: the first stage drafts alone) and async stages.
+
+    `is_stage_failure(index, exc)`: True for an error of stage `index` that retires the stage for the
+    rest of the session, the round going on without it (exact: the proposal below it is a valid
+    draft); on False the error propagates. The Coordinator says True for a dead replica and logs it.
+    """
+
+    name = "cascade"
+
+    def __init__(self, base: AsyncDrafter | None, stages: Sequence[AsyncStage], specs: Sequence[StageSpec] | None = None,
+                 is_stage_failure: Callable[[int, BaseException], bool] = lambda index, exc: False):
+        self.base = base
+        self.stages = list(stages)
+        self.specs = _check_specs(len(self.stages), specs)
+        self.is_stage_failure = is_stage_failure
+        self.last_state: CascadeState | None = None  # the session opened last: its `stage_stats` (the Coordinator builds one per request)
+
+    async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> CascadeState:
+        seed = params.seed if params.seed is not None else make_generator(None)[1]
+        params = dataclasses.replace(params, seed=seed)
+        prompt = [int(t) for t in prompt_ids]
+        state = CascadeState(None, prompt)
+        max_contexts, failed = [], []
+        try:
+            if self.base is not None:
+                state.base = await self.base.open(prompt, params)
+            for i, stage in enumerate(self.stages):
+                try:
+                    max_contexts.append(await stage.max_context())
+                    state.stages.append(await stage.open(prompt, dataclasses.replace(params, seed=stage_seed(seed, i))))
+                except Exception as exc:
+                    if not self.is_stage_failure(i, exc):
+                        raise
+                    max_contexts[i:] = [0]
+                    state.stages.append(None)
+                    failed.append(i)
+        except BaseException:
+            await self.close(state)
+            raise
+        state.book = CascadeBook(self.specs, max_contexts, len(prompt), keep_q=not params.is_greedy)
+        for i in failed:
+            state.book.retire(i)
+        self.last_state = state
+        return state
+
+    async def propose(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
+        book = state.book
+        assert book is not None  # made by open
+        proposal = DraftProposal(token_ids=[])
+        for tokens, k in book.start_round(accepted_since_last, max_tokens):
+            if self.base is not None:
+                proposal = await self.base.propose(state.base, tokens, k)
+        proposal = book.base_proposed(proposal)
+        for i, stage in enumerate(self.stages):
+            call = book.stage_call(i, proposal)
+            if call is None:
+                continue
+            start = time.perf_counter()
+            try:
+                out = await stage.verify_and_extend(state.stages[i], call.accepted, call.draft.token_ids, call.draft.q,
+                                                    call.num_extend_tokens)
+            except Exception as exc:
+                if not self.is_stage_failure(i, exc):
+                    raise
+                book.retire(i)
+                proposal = call.draft
+                continue
+            proposal = book.stage_done(i, call, out, (time.perf_counter() - start) * 1e3)
+        return proposal
+
+    async def close(self, state: CascadeState) -> None:
+        for stage, session in zip(self.stages, state.stages):
+            if session is not None:  # None: it failed to open
+                await stage.close(session)
+        state.stages = []
+        if self.base is not None and state.base is not None:
+            await self.base.close(state.base)

@@ -1,0 +1,205 @@
+"""The lossless cascade in-process: drafter -> stage(s) -> target equals target-only decoding.
+
+Greedy: token-identical to the target alone, with an n-gram and a model base drafter, one and two
+stages; the models are distinct tiny random models (the stage is the target's weights at a smaller
+scale), so every level rejects part of what it is offered. Sampling: the joint of the first three
+tokens over seeded trials matches the target's, by a chi-square test (as
+tests/engine/test_sampling_exactness.py does for one drafter). The bookkeeping's worked examples
+(`specmesh.cascade.plan`) are tests here too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specmesh.cascade.pipeline import CascadeDrafter
+from specmesh.cascade.plan import CascadeBook, StageSpec, split_for_base, stage_seed
+from specmesh.cascade.stage_model import StageModel, StageOutput
+from specmesh.decoding.adaptive import FixedK
+from specmesh.decoding.proposal import Drafter, DraftProposal
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.speculative import generate
+from specmesh.decoding.state import draft_seed
+from specmesh.decoding.verifier import TargetVerifier
+from specmesh.drafters.model import ModelDrafter
+from specmesh.drafters.ngram import PromptLookupDrafter
+from specmesh.models.engine import SeqInput
+from specmesh.models.load import load_engine
+
+PROMPT = [5, 17, 33, 5, 17, 33, 5, 17]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    """target, a middle stage, a smaller stage, a draft model: one random init at falling scales."""
+    def load(std):
+        return load_engine(tiny_model_dir("llama", seed=1, init_std=std), dtype="float64")
+    return {"target": load(0.2), "stage": load(0.15), "stage_low": load(0.12), "draft": load(0.1)}
+
+
+# --- bookkeeping (specmesh.cascade.plan), worked examples ---
+
+@pytest.mark.parametrize("last_draft, accepted, pieces", [
+    ([7, 8, 9], [7, 8, 4], [[7, 8, 4]]),  # 2 drafts accepted + the target's token: one call
+    ([7, 8, 9], [7, 8, 9, 4], [[7, 8, 9, 4]]),  # all accepted + bonus
+    ([7, 8, 9], [7, 5, 6, 4], [[7, 5], [6, 4]]),  # a stage replaced 8 by 5 and added 6
+    ([7, 8, 9], [5, 4], [[5], [4]]),  # the first token already departs
+    ([7], [7, 5, 4], [[7, 5], [4]]),  # the whole draft matched, then two more tokens
+    ([], [3, 4, 5], [[3, 4, 5]]),  # nothing outstanding
+])
+def test_split_for_base(last_draft, accepted, pieces):
+    assert split_for_base(last_draft, accepted) == pieces
+
+
+def test_book_worked_example():
+    book = CascadeBook([StageSpec()], [64], num_confirmed=10, keep_q=False)
+    assert book.start_round([100], 4) == [([100], 4)]
+    draft = book.base_proposed(DraftProposal([1, 2, 3, 4]))
+    call = book.stage_call(0, draft)
+    assert call is not None and (call.accepted, call.draft.token_ids, call.num_extend_tokens) == ([100], [1, 2, 3, 4], 1)
+    proposal = book.stage_done(0, call, StageOutput(2, [1, 2, 9], None, []))
+    assert proposal.token_ids == [1, 2, 9] and proposal.q is None
+    # the target accepted [1] and emitted 7: the base learns it in two calls (its 2 was replaced)
+    assert book.start_round([1, 7], 4) == [([1, 7], 4)]
+    book.base_proposed(DraftProposal([7, 7, 7, 7]))
+    assert book.start_round([7, 5, 6], 4) == [([7, 5], 0), ([6], 4)]
+    stats = book.stats[0]
+    assert (stats.num_rounds, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_proposed_tokens) == (1, 4, 2, 3)
+
+
+def test_book_caps_by_k_extension_and_context():
+    # two stages: m = 2 with at most 3 draft tokens, then m = 1; stage 1's context has 3 tokens of room
+    book = CascadeBook([StageSpec(2, 3), StageSpec(1)], [64, 14], num_confirmed=10, keep_q=False)
+    # caps: the target's k = 5; stage 1 drafts min(5, 14 - 11 - 1) = 2; stage 0 min(2, 3, 64 - 11 - 2) = 2
+    assert book.start_round([100], 5) == [([100], 2)]
+    draft = book.base_proposed(DraftProposal([1, 2, 3, 4]))
+    assert draft.token_ids == [1, 2]
+    call = book.stage_call(0, draft)
+    assert call is not None and call.num_extend_tokens == 2
+    out = book.stage_done(0, call, StageOutput(2, [1, 2, 8, 9], None, []))
+    assert out.token_ids == [1, 2]  # cut to stage 1's cap
+    # stage 1 has no room for even one token once 3 more are confirmed: retired, proposals pass it by
+    book.start_round([1, 2, 8], 5)
+    assert book.stats[1].retired and book.stage_call(1, DraftProposal([1])) is None
+
+
+def test_spec_and_seed_validation():
+    with pytest.raises(ValueError, match="at least 1"):
+        StageSpec(num_extend_tokens=0)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        StageSpec(num_draft_tokens=-1)
+    with pytest.raises(ValueError, match="specs"):
+        CascadeDrafter(None, [object()], [StageSpec(), StageSpec()])  # type: ignore[list-item]
+    assert len({stage_seed(3, 0), stage_seed(3, 1), draft_seed(3), 3}) == 4
+
+
+# --- greedy: identical to the target alone ---
+
+class RecordingCascade(CascadeDrafter):
+    """Keeps its last session's state, for the stage statistics."""
+
+    def open(self, prompt_ids):
+        self.state = super().open(prompt_ids)
+        return self.state
+
+
+@pytest.mark.parametrize("base", ["ngram", "model", "none"])
+@pytest.mark.parametrize("stages, specs", [
+    (["stage"], [StageSpec()]),
+    (["stage_low", "stage"], [StageSpec(), StageSpec(num_extend_tokens=2)]),
+])
+def test_greedy_cascade_equals_target(engines, base, stages, specs):
+    target = TargetVerifier(engines["target"])
+    plain = generate(target, None, PROMPT, GREEDY).token_ids
+    drafters: dict[str, Drafter | None] = {"ngram": PromptLookupDrafter(), "model": ModelDrafter(engines["draft"]), "none": None}
+    base_drafter = drafters[base]
+    drafter = RecordingCascade(base_drafter, [StageModel(engines[name]) for name in stages], specs)
+    result = generate(target, drafter, PROMPT, GREEDY, k_policy=FixedK(4))
+    assert result.token_ids == plain
+    stats = drafter.state.stage_stats
+    # every level rejected part of what it was offered: the test exercises the cuts
+    top = stats[-1]
+    assert 0 < top.num_accepted_tokens < top.num_draft_tokens or base == "none"
+    assert 0 < result.stats.num_accepted_tokens < result.stats.num_draft_tokens
+
+
+def test_greedy_cascade_with_a_small_stage_context(tiny_model_dir, engines):
+    """A stage whose context fills up first is retired; the output stays the target's."""
+    small = load_engine(tiny_model_dir("llama", seed=1, init_std=0.15), dtype="float64")
+    small.max_context = len(PROMPT) + 12  # the stage's window ends 12 tokens into the 40 generated
+    target = TargetVerifier(engines["target"])
+    plain = generate(target, None, PROMPT, GREEDY).token_ids
+    drafter = RecordingCascade(PromptLookupDrafter(), [StageModel(small)])
+    assert generate(target, drafter, PROMPT, GREEDY, k_policy=FixedK(4)).token_ids == plain
+    assert drafter.state.stage_stats[0].retired
+
+
+# --- sampling: the target's distribution ---
+
+SAMPLED = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True)
+NUM_TRIALS = 2_000
+
+
+def _next_probs(engine, prefix):
+    from specmesh.decoding.sampling import processed_probs
+
+    seq = engine.new_sequence()
+    try:
+        logits = engine.forward([SeqInput(seq, list(prefix), [len(prefix) - 1])])[0]
+    finally:
+        engine.free(seq)
+    return processed_probs(logits, SAMPLED)[0].double()
+
+
+def _target_joint(engine):
+    """{(t1, t2, t3): probability} under the target alone."""
+    joint = {}
+    p1 = _next_probs(engine, PROMPT)
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = _next_probs(engine, PROMPT + [t1])
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            p3 = _next_probs(engine, PROMPT + [t1, t2])
+            for t3 in torch.nonzero(p3).flatten().tolist():
+                joint[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+    return joint
+
+
+def chi_square_pvalue(counts: dict, expected: dict, num_trials: int) -> tuple[float, int]:
+    """p-value of counts vs expected probabilities (cells expected < 5 times pooled), and the number
+    of well-populated cells."""
+    cells = sorted(expected, key=lambda cell: expected[cell], reverse=True)
+    wanted = [expected[c] * num_trials for c in cells]
+    big = [i for i, w in enumerate(wanted) if w >= 5]
+    small = [i for i, w in enumerate(wanted) if w < 5]
+    obs = [counts[cells[i]] for i in big] + ([sum(counts[cells[i]] for i in small)] if small else [])
+    exp = [wanted[i] for i in big] + ([sum(wanted[i] for i in small)] if small else [])
+    exp = [e * sum(obs) / sum(exp) for e in exp]
+    return float(chisquare(obs, exp).pvalue), len(big)
+
+
+@pytest.mark.parametrize("base, stages", [
+    ("ngram", ["stage_low", "stage"]),  # one-hot q at the first stage, q passed stage to stage
+    ("model", ["stage"]),  # a sampled base q
+])
+def test_sampled_cascade_follows_the_target(engines, base, stages):
+    target = TargetVerifier(engines["target"])
+    base_drafter = PromptLookupDrafter() if base == "ngram" else ModelDrafter(engines["draft"])
+    drafter = CascadeDrafter(base_drafter, [StageModel(engines[name]) for name in stages])
+    expected = _target_joint(engines["target"])
+    counts = dict.fromkeys(expected, 0)
+    num_draft = num_accepted = 0
+    for seed in range(NUM_TRIALS):
+        params = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True, seed=seed)
+        result = generate(target, drafter, PROMPT, params, k_policy=FixedK(2))
+        sample = tuple(result.token_ids)
+        assert sample in counts, f"{sample} has probability 0 under the target"
+        counts[sample] += 1
+        num_draft += result.stats.num_draft_tokens
+        num_accepted += result.stats.num_accepted_tokens
+    assert 0 < num_accepted < num_draft  # the target both accepted and rejected stage tokens
+    pvalue, num_cells = chi_square_pvalue(counts, expected, NUM_TRIALS)
+    assert pvalue > 1e-3, (pvalue, counts, expected)
+    assert num_cells >= 10  # the test has power: many well-populated cells
