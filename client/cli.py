@@ -225,7 +225,7 @@ def run_async(coroutine) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from client import bench_cli, chat, k8s_cli
+    from client import bench_cli, chat, k8s_cli, ray_cli
     from specmesh.sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(prog="specmesh", description="specmesh: distributed speculative decoding")
@@ -251,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(handler=lambda args: run_async(_stats(args)))
     sim_cli.add_parser(commands)
     k8s_cli.register(commands)
+    ray_cli.register(commands)
     return parser
 
 

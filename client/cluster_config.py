@@ -38,6 +38,7 @@ OPTION_CLASSES = {"draft": "draft_service.options:DraftOptions", "verify": "targ
                   "gateway": "gateway.options:GatewayOptions"}
 FRONT_KINDS = ("coordinator", "gateway")  # no model of their own: one thread each, the model services get the cores
 LAUNCHER_KEYS = ("replicas", "torch_threads")  # read here, never passed to a service
+PLACEMENT_KEYS = ("ray", "k8s")  # a service's placement on Ray / Kubernetes: read by `specmesh ray|k8s`, not here
 COORDINATOR_THREADS = 1  # the coordinator tokenizes and schedules; the model services get the cores
 
 
@@ -107,7 +108,7 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
     default_threads = defaults.pop("torch_threads", 0)
     entries = []
     for name, entry in services.items():
-        entry = dict(entry or {})
+        entry = {k: v for k, v in (entry or {}).items() if k not in PLACEMENT_KEYS}
         kind = entry.pop("kind", name)
         if kind not in MODULES:
             raise ValueError(f"{path}: service {name!r} has unknown kind {kind!r}; choose one of {', '.join(MODULES)}")
@@ -147,7 +148,7 @@ def _cascade_stages(configured: str | None, specs: list[ServiceSpec]) -> dict[st
     >>> _cascade_stages("bf16 extend=2", specs)
     {'cascade_stages': '127.0.0.1:8 extend=2'}
     """
-    first = {}
+    first: dict[str, str] = {}
     for s in specs:
         if s.kind == "stage":
             first.setdefault(s.group or s.name, s.address)

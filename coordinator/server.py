@@ -70,14 +70,16 @@ async def create_server(options: CoordinatorOptions) -> tuple[ServiceHandle, int
     _check(options)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_spec(options.model))
     open_downstream = _channel_factory(options)
-    verify = ServicePool("verify", parse_addresses(options.verify_addresses), options.router, open_downstream)
-    draft = ServicePool("draft", parse_addresses(options.draft_addresses), options.router, open_downstream)
+    verify = ServicePool("verify", parse_addresses(options.verify_addresses), options.router, open_downstream,
+                         discovery_interval_s=options.discovery_interval_s)
+    draft = ServicePool("draft", parse_addresses(options.draft_addresses), options.router, open_downstream,
+                        discovery_interval_s=options.discovery_interval_s)
+    for pool in (verify, draft):  # before GetInfo: a dns / ray source that is empty at start is re-read meanwhile
+        pool.start_health_checks(options.health_interval_s)
     info = await target_info(verify, time.monotonic() + INFO_WAIT_S)
     metrics = ServiceMetrics("coordinator")
     cascade = CascadeStages(parse_cascade_stages(options.cascade_stages), open_downstream)
     servicer = CoordinatorServicer(options, tokenizer, info, verify, draft, metrics, cascade)
-    for pool in (verify, draft):
-        pool.start_health_checks(options.health_interval_s)
 
     async def close_pools() -> None:
         await verify.close()
