@@ -225,7 +225,7 @@ def run_async(coroutine) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from client import bench_cli, chat, k8s_cli, ray_cli
+    from client import bench_cli, cascade_cli, chat, k8s_cli, ray_cli
     from specmesh.sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(prog="specmesh", description="specmesh: distributed speculative decoding")
@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_cli.add_parser(commands)
     k8s_cli.register(commands)
     ray_cli.register(commands)
+    cascade_cli.register(commands)
     return parser
 
 
