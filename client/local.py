@@ -18,7 +18,9 @@ from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import PromptLookupDrafter
 from specmesh.models.chat import chat_prompt_ids
+from specmesh.models.encdec import bind_encoder_input, is_encoder_decoder
 from specmesh.models.load import load_engine
+from specmesh.models.pairing import check_draft_compatible
 from specmesh.models.resolve import resolve_model_spec
 
 DRAFTERS = ("none", "ngram", "bf16", "int8")
@@ -32,13 +34,16 @@ class LocalGenerator:
             raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
         folder = resolve_model_spec(model)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.verifier = TargetVerifier(load_engine(folder, dtype=dtype, device=device))
+        self.engine = load_engine(folder, dtype=dtype, device=device)
+        self.verifier = TargetVerifier(self.engine)
         self.drafter_name = drafter
         self._draft_engine = None
         if drafter == "bf16":
             self._draft_engine = load_engine(folder, dtype="bfloat16", device=device)
         elif drafter == "int8":
             self._draft_engine = load_engine(folder, dtype="float32", quantize="int8")
+        if self._draft_engine is not None:
+            check_draft_compatible(self.engine, self._draft_engine)
         self.last_stats: SpecStats | None = None
 
     def prompt_ids(self, prompt: str, chat: bool = True) -> list[int]:
@@ -61,8 +66,15 @@ class LocalGenerator:
         def decode(tokens) -> str:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-        ids = self.prompt_ids(prompt, chat)
-        for event in speculative_stream(self.verifier, draft, ids, params, k_policy=k_policy, decode=decode):
+        if is_encoder_decoder(self.engine):  # the prompt is the encoder's input; the decoder starts on its own tokens
+            encoder_ids = self.tokenizer(prompt).input_ids
+            target = bind_encoder_input(self.engine, encoder_ids)
+            verifier, ids = TargetVerifier(target), list(target.decoder_prompt_ids)
+            if isinstance(draft, ModelDrafter):
+                draft = ModelDrafter(bind_encoder_input(draft.engine, encoder_ids))
+        else:
+            verifier, ids = self.verifier, self.prompt_ids(prompt, chat)
+        for event in speculative_stream(verifier, draft, ids, params, k_policy=k_policy, decode=decode):
             if event.finish_reason is not None:
                 self.last_stats = event.stats
             if event.text:

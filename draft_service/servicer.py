@@ -3,7 +3,9 @@
 The session's generator is seeded with `draft_seed(request seed)`, as in the in-process loop, so a
 seeded run over the wire equals `specmesh.decoding.speculative.generate`. q travels in the dtype a
 Propose asks for: the drafter for that dtype rounds q first and samples from the rounded values
-(`specmesh.drafters.wire_q`), so what travels is exactly what was sampled from.
+(`specmesh.drafters.wire_q`), so what travels is exactly what was sampled from. A model drafter on an
+encoder-decoder model opens a session on its encoder input through a view of the engine bound to
+it (`specmesh.models.encdec`); its Propose calls then batch with every other session's.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import draft_seed
 from specmesh.decoding.verifier import validate_prompt
+from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.wire_q import RoundQ, q_transform_for
+from specmesh.models.encdec import is_encoder_decoder, validate_encoder_input
 from specmesh.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 DrafterFactory = Callable[[RoundQ | None], Drafter]  # q transform -> a drafter on the service's model
@@ -41,7 +45,7 @@ class DraftSession:
     params: SamplingParams
     generator: torch.Generator
     seed: int
-    num_tokens: int  # the prompt and every accepted token appended since (quota accounting)
+    num_tokens: int  # the prompt (+ encoder input) and every accepted token appended since (quota accounting)
     rounds: RoundLog = field(default_factory=RoundLog)  # Propose calls answered (safe resends)
 
 
@@ -115,17 +119,40 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         self.metrics.forwards.inc()
         return [ProposeResult(proposals[i], draft_ms, len(calls)) for i in range(len(calls))]
 
+    def _encoder_input(self, encoder_input_ids: Sequence[int]) -> list[int]:
+        """A request's encoder input, validated: required by a model drafter on an encoder-decoder model,
+        refused by one on a decoder-only model, ignored by n-gram drafters (draft.proto says why)."""
+        if self.engine is None:
+            return []
+        if not is_encoder_decoder(self.engine):
+            if encoder_input_ids:
+                raise ValueError("encoder_input_ids were given but this Draft service's model is decoder-only: it cannot "
+                                 "draft for an encoder-decoder target (serve an encoder-decoder draft of the target's vocabulary)")
+            return []
+        if not encoder_input_ids:
+            raise ValueError("this Draft service's model is an encoder-decoder model: send encoder_input_ids "
+                             "(prompt_token_ids are the decoder's prompt)")
+        return validate_encoder_input(encoder_input_ids, self.engine.max_encoder_tokens, self.vocab_size)
+
+    def _open(self, prompt: list[int], encoder_input_ids: list[int]):
+        """Engine thread: a drafter state (on the engine bound to the encoder input, if one is given)."""
+        if encoder_input_ids:
+            return ModelDrafter(self.engine.bind(encoder_input_ids)).open(prompt)
+        return self.drafter.open(prompt)
+
     # RPCs
     @rpc_method
     async def OpenSession(self, request: draft_pb2.DraftOpenSessionRequest, context) -> draft_pb2.DraftOpenSessionResponse:
         prompt = validate_prompt(request.prompt_token_ids, self.max_context, self.vocab_size)
+        encoder_input = self._encoder_input(request.encoder_input_ids)
         params = sampling_from_pb(request.sampling, self.vocab_size, self.quotas.default_max_new_tokens(DEFAULT_MAX_NEW_TOKENS))
-        self.quotas.check_prompt(len(prompt))
+        self.quotas.check_prompt(len(prompt) + len(encoder_input))
         self.quotas.check_max_new_tokens(params.max_new_tokens)
         generator, _ = make_generator(draft_seed(params.seed), self.drafter.device)
-        async with self.admission(len(prompt)):
-            state = await self.engine_thread.run(self.drafter.open, prompt)
-            session_id = await self.add_session(DraftSession(state, params, generator, params.seed, len(prompt)))
+        async with self.admission(len(prompt) + len(encoder_input)):
+            state = await self.engine_thread.run(self._open, prompt, encoder_input)
+            session_id = await self.add_session(DraftSession(state, params, generator, params.seed,
+                                                             len(prompt) + len(encoder_input)))
         return draft_pb2.DraftOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=params.seed)
 
     @rpc_method
@@ -161,4 +188,5 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             info = common_pb2.ModelInfo(model=self.options.model, vocab_size=self.vocab_size, max_context_tokens=self.max_context)
             return draft_pb2.DraftGetInfoResponse(model=info, drafter=self.options.drafter)
         return draft_pb2.DraftGetInfoResponse(model=model_info_pb(self.options.model, self.model_folder, self.engine),
-                                              drafter=self.options.drafter, kv=kv_usage_pb(self.engine.kv_usage()))
+                                              drafter=self.options.drafter, kv=kv_usage_pb(self.engine.kv_usage()),
+                                              is_encoder_decoder=is_encoder_decoder(self.engine))

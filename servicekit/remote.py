@@ -9,6 +9,8 @@ calls only, no speculation logic. q travels in the dtype the drafter stored it i
 sampled from), dense or as its exact support. `WireCounters` counts messages' bytes per round.
 Rounds carry their `round_index`, so a round whose answer was lost (deadline, connection drop) is
 resent safely (`RETRIES` times): the service answers a resend without advancing the session twice.
+For an encoder-decoder model (T5, BART, ...) an adapter is made per request with its
+`encoder_input_ids`, sent with every OpenSession; prompts and rounds are then decoder tokens.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ async def call_round(method, request, timeout_s: float, metadata: Metadata = (),
 
 class RemoteVerifier:
     def __init__(self, stub: verify_pb2_grpc.VerifyServiceStub, *, timeout_s: float = 60.0, sparse_q: bool = False,
-                 counters: WireCounters | None = None, metadata: Metadata = (), info: TargetInfo | None = None):
+                 counters: WireCounters | None = None, metadata: Metadata = (), info: TargetInfo | None = None,
+                 encoder_input_ids: Sequence[int] = ()):
         self.stub = stub
+        self.encoder_input_ids = list(encoder_input_ids)  # [num_encoder_tokens]; empty for decoder-only targets
         self.metadata = tuple(metadata) or None
         self.timeout_s = timeout_s
         self.sparse_q = sparse_q
@@ -80,7 +84,8 @@ class RemoteVerifier:
 
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[str, int]:
         response = await self.stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(
-            prompt_token_ids=list(prompt_ids), sampling=_token_level(params)), timeout=self.timeout_s, metadata=self.metadata)
+            prompt_token_ids=list(prompt_ids), sampling=_token_level(params), encoder_input_ids=self.encoder_input_ids),
+            timeout=self.timeout_s, metadata=self.metadata)
         return response.session_id, response.first_token_id
 
     async def verify(self, session_id: str, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
@@ -124,7 +129,7 @@ class RemoteDraftSession:
 class RemoteDrafter:
     def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, *, q_dtype: torch.dtype = torch.float32,
                  sparse_q: bool = False, timeout_s: float = 60.0, counters: WireCounters | None = None,
-                 metadata: Metadata = ()):
+                 metadata: Metadata = (), encoder_input_ids: Sequence[int] = ()):
         if q_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"q travels as float32, float16 or bfloat16, not {q_dtype}")
         self.stub = stub
@@ -133,6 +138,7 @@ class RemoteDrafter:
         self.sparse_q = sparse_q
         self.timeout_s = timeout_s
         self.counters = counters or WireCounters()
+        self.encoder_input_ids = list(encoder_input_ids)  # [num_encoder_tokens]; empty for decoder-only models
         self._vocab_size: int | None = None
 
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> RemoteDraftSession:
@@ -140,7 +146,8 @@ class RemoteDrafter:
             info = await self.stub.GetInfo(draft_pb2.DraftGetInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
             self._vocab_size = info.model.vocab_size
         response = await self.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
-            prompt_token_ids=list(prompt_ids), sampling=_token_level(params)), timeout=self.timeout_s, metadata=self.metadata)
+            prompt_token_ids=list(prompt_ids), sampling=_token_level(params), encoder_input_ids=self.encoder_input_ids),
+            timeout=self.timeout_s, metadata=self.metadata)
         return RemoteDraftSession(response.session_id, needs_q=not params.is_greedy)
 
     async def propose(self, session: RemoteDraftSession, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:

@@ -15,7 +15,9 @@ from target_service.servicer import VerifyServicer
 SERVICE_NAME = "specmesh.v1.VerifyService"
 
 
-def build_fused_drafter(options: VerifyOptions):
+def build_fused_drafter(options: VerifyOptions, target=None, target_folder: str | None = None):
+    """The drafter Step hosts; a model drafter is checked against `target` (an Engine) when given:
+    same kind (decoder-only / encoder-decoder) and vocabulary (IncompatibleDraftError otherwise)."""
     if options.fused_drafter not in FUSED_DRAFTERS:
         raise ValueError(f"unknown fused drafter {options.fused_drafter!r}; choose one of {FUSED_DRAFTERS}")
     if options.fused_drafter == "ngram":
@@ -25,10 +27,13 @@ def build_fused_drafter(options: VerifyOptions):
     if options.fused_drafter == "model":
         from servicekit.model import resolve_folder
         from specmesh.models.load import load_engine
+        from specmesh.models.pairing import check_draft_compatible
 
         folder = resolve_folder(options.fused_drafter_model or options.model)
-        return ModelDrafter(load_engine(folder, dtype=options.fused_drafter_dtype, device=options.device,
-                                        max_kv_tokens=options.max_kv_tokens))
+        engine = load_engine(folder, dtype=options.fused_drafter_dtype, device=options.device, max_kv_tokens=options.max_kv_tokens)
+        if target is not None:
+            check_draft_compatible(target, engine, target_folder, folder)
+        return ModelDrafter(engine)
     return None
 
 
@@ -37,7 +42,7 @@ async def create_server(options: VerifyOptions) -> tuple[ServiceHandle, int]:
     engine_thread = EngineThread("verify-engine")  # the model is loaded and run on it (servicekit.engine_thread)
     single_threaded_here()
     engine, folder = await engine_thread.run(load_service_engine, options)
-    fused = await engine_thread.run(build_fused_drafter, options)
+    fused = await engine_thread.run(build_fused_drafter, options, engine, folder)
     servicer = VerifyServicer(options, engine, folder, metrics, fused, engine_thread)
     servicer.sessions.start_reaper(options.reaper_interval_s)
     handle = await start_service(options, metrics, servicer, [(verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE_NAME)],

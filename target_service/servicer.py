@@ -4,7 +4,9 @@ Every engine call runs on the service's single engine thread; the servicer only 
 delegates: to `TargetVerifier` (through the batcher), to the fused drafter, and to each session's
 `SpeculationState`, which applies the one set of finish rules to every round (Verify and Step alike).
 A session opened with a `SkeletonConstraint` has its rows masked by the plan grammar
-(`target_service.grammars`) in every round, Verify and Step alike.
+(`target_service.grammars`) in every round, Verify and Step alike. On an encoder-decoder target
+(`specmesh.models.encdec`) a session is opened on its encoder input, through a view of the engine
+bound to it; its rounds then run on the shared verifier like any other session's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.speculative import speculative_stream
 from specmesh.decoding.state import SpeculationState, draft_seed
 from specmesh.decoding.verifier import TargetSession, TargetVerifier, validate_prompt
+from specmesh.drafters.model import ModelDrafter
+from specmesh.models.encdec import bind_encoder_input, is_encoder_decoder, validate_encoder_input
 from specmesh.models.engine import ContextLengthError
 from specmesh.proto.v1 import verify_pb2, verify_pb2_grpc
 from target_service.batcher import VerifyBatcher, VerifyResult
@@ -68,24 +72,51 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.quotas.check_max_new_tokens(params.max_new_tokens)
         return params
 
-    def _new_session(self, target: TargetSession, num_prompt_tokens: int, seed: int) -> VerifySession:
+    def _new_session(self, target: TargetSession, num_prompt_tokens: int, seed: int,
+                     encoder_input_ids: Sequence[int] = ()) -> VerifySession:
         """A session whose rounds count from `num_prompt_tokens`; its first token is already emitted."""
         state = SpeculationState(target.params, num_prompt_tokens=num_prompt_tokens, max_context=self.engine.max_context,
                                  eos_token_ids=self.engine.eos_token_ids, seed=seed)
         state.start(target.pending_token_id)
-        return VerifySession(target, state, seed)
+        return VerifySession(target, state, seed, encoder_input_ids=list(encoder_input_ids))
+
+    def _encoder_input(self, encoder_input_ids: Sequence[int]) -> list[int]:
+        """A request's encoder input, validated: required by an encoder-decoder target, refused by a
+        decoder-only one (both INVALID_ARGUMENT)."""
+        if not is_encoder_decoder(self.engine):
+            if encoder_input_ids:
+                raise ValueError("encoder_input_ids were given but this Verify service's model is decoder-only")
+            return []
+        if not encoder_input_ids:
+            raise ValueError("this Verify service's model is an encoder-decoder model: send encoder_input_ids "
+                             "(prompt_token_ids are the decoder's prompt)")
+        return validate_encoder_input(encoder_input_ids, self.engine.max_encoder_tokens, self.vocab_size)
+
+    def _opener(self, encoder_input_ids: list[int]) -> TargetVerifier:
+        """The verifier that opens a session: the shared one, or one on the engine bound to the encoder
+        input (same engine and sequences; the shared verifier runs the session's rounds)."""
+        return TargetVerifier(self.engine.bind(encoder_input_ids)) if encoder_input_ids else self.verifier
+
+    def _open_fused(self, prompt: list[int], encoder_input_ids: list[int]):
+        """Engine thread: the fused drafter's state for a session (a model drafter on an encoder-decoder
+        model opens it through a view bound to the encoder input; n-gram drafters ignore the input)."""
+        drafter = self.fused_drafter
+        if encoder_input_ids and isinstance(drafter, ModelDrafter) and is_encoder_decoder(drafter.engine):
+            return ModelDrafter(bind_encoder_input(drafter.engine, encoder_input_ids)).open(prompt)
+        return drafter.open(prompt)
 
     async def _prefill(self, prompt: list[int], params: SamplingParams, generator,
-                       constraint: GrammarConstraint | None = None) -> TargetSession:
+                       constraint: GrammarConstraint | None = None, encoder_input_ids: Sequence[int] = ()) -> TargetSession:
         """A new session's target sequence, prefilled, with its first token sampled. With
         `prefill_chunk_tokens`, each chunk is its own engine job: the engine thread runs jobs first in,
         first out, so the batches of other sessions' rounds queued meanwhile run between the chunks and
-        a long prompt delays them by about one chunk each. A failed or cancelled prefill frees its sequence."""
+        a long prompt delays them by about one chunk each. A failed or cancelled prefill frees its sequence.
+        With an encoder input the encoder runs in `begin` (one engine job)."""
         chunk_tokens = self.options.prefill_chunk_tokens
         begun: list[TargetSession] = []  # filled on the engine thread: freed even if this call is cancelled during begin
 
         def begin() -> TargetSession:
-            begun.append(self.verifier.begin(prompt, params, generator))
+            begun.append(self._opener(list(encoder_input_ids)).begin(prompt, params, generator))
             begun[0].constraint = constraint
             return begun[0]
 
@@ -105,7 +136,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         return target
 
     def session_tokens(self, session: VerifySession) -> int:
-        return session.target.num_tokens
+        return session.target.num_tokens + len(session.encoder_input_ids)  # decoder + encoder (cross-attention) KV
 
     @staticmethod
     def _check_open(session: VerifySession) -> None:
@@ -141,15 +172,16 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     @rpc_method
     async def OpenSession(self, request: verify_pb2.VerifyOpenSessionRequest, context) -> verify_pb2.VerifyOpenSessionResponse:
         prompt = validate_prompt(request.prompt_token_ids, self.engine.max_context, self.vocab_size)
+        encoder_input = self._encoder_input(request.encoder_input_ids)
         params = self._sampling(request.sampling)
         if params.stop:
             raise ValueError("the Verify service works on token ids: stop strings are checked by the caller")
-        self.quotas.check_prompt(len(prompt))
+        self.quotas.check_prompt(len(prompt) + len(encoder_input))
         constraint = await self._constraint(request.skeleton, prompt) if request.HasField("skeleton") else None
         generator, seed = make_generator(params.seed, self.engine.device)
-        async with self.admission(len(prompt) + 1):
-            target = await self._prefill(prompt, params, generator, constraint)
-            session = self._new_session(target, len(prompt), seed)
+        async with self.admission(len(prompt) + 1 + len(encoder_input)):
+            target = await self._prefill(prompt, params, generator, constraint, encoder_input)
+            session = self._new_session(target, len(prompt), seed, encoder_input)
             session_id = await self.add_session(session)
         return verify_pb2.VerifyOpenSessionResponse(session_id=session_id, first_token_id=target.pending_token_id,
                                                     ttl_ms=self.sessions.ttl_ms, seed=seed,
@@ -225,7 +257,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             self._check_open(session)
             if session.fused is None:
                 prompt = session.target.token_ids[: session.round.num_prompt_tokens]
-                state = await self.engine_thread.run(self.fused_drafter.open, prompt)
+                state = await self.engine_thread.run(self._open_fused, prompt, session.encoder_input_ids)
                 session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), self.fused_drafter.device)[0])
             k = session.round.next_k(request.num_draft_tokens or None)
             self.check_kv_quota(1 + k)  # before the drafter's state moves
@@ -281,7 +313,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         is its prompt."""
         generators = [make_generator(seed, self.engine.device)[0] for seed in seeds]
         targets = self.verifier.fork(parent.target, params, generators, append, num_prefix)
-        return [self._new_session(target, target.num_tokens - 1, seed) for target, seed in zip(targets, seeds)]
+        return [self._new_session(target, target.num_tokens - 1, seed, parent.encoder_input_ids)
+                for target, seed in zip(targets, seeds)]
 
     @rpc_method
     async def CloseSession(self, request: verify_pb2.VerifyCloseSessionRequest, context) -> verify_pb2.VerifyCloseSessionResponse:
@@ -290,16 +323,18 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     @rpc_method
     async def Generate(self, request: verify_pb2.VerifyGenerateRequest, context):
         prompt = validate_prompt(request.prompt_token_ids, self.engine.max_context, self.vocab_size)
+        encoder_input = self._encoder_input(request.encoder_input_ids)
         params = self._sampling(request.sampling)
         if params.stop:
             raise ValueError("Verify.Generate works on token ids and takes no stop strings")
-        self.quotas.check_prompt(len(prompt))
-        async with self.admission(min(len(prompt) + params.max_new_tokens, self.engine.max_context)):  # one session's worth
-            async for response in self._generate(prompt, params):
+        self.quotas.check_prompt(len(prompt) + len(encoder_input))
+        kv_tokens = min(len(prompt) + params.max_new_tokens, self.engine.max_context) + len(encoder_input)  # one session's worth
+        async with self.admission(kv_tokens):
+            async for response in self._generate(prompt, params, encoder_input):
                 yield response
 
-    async def _generate(self, prompt: list[int], params: SamplingParams):
-        stream = speculative_stream(self.verifier, None, prompt, params)
+    async def _generate(self, prompt: list[int], params: SamplingParams, encoder_input_ids: list[int]):
+        stream = speculative_stream(self._opener(encoder_input_ids), None, prompt, params)
         try:
             while True:
                 event = await self.engine_thread.run(next, stream, None)
@@ -324,6 +359,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             kv=kv_usage_pb(self.engine.kv_usage()),
             max_draft_tokens=self.options.max_draft_tokens,
             max_fork_children=self.options.max_fork_children,
+            is_encoder_decoder=is_encoder_decoder(self.engine),
+            decoder_prompt_ids=list(getattr(self.engine, "decoder_prompt_ids", ())),
         )
 
 

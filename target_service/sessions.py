@@ -27,3 +27,4 @@ class VerifySession:
     seed: int
     fused: FusedDraft | None = None
     rounds: RoundLog = field(default_factory=RoundLog)  # Verify / Step rounds applied (safe resends)
+    encoder_input_ids: list[int] = field(default_factory=list)  # encoder-decoder targets: the session's encoder input

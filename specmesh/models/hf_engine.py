@@ -85,8 +85,6 @@ class HFEngine:
             )
 
     def forward(self, batch: Sequence[SeqInput]) -> list[torch.Tensor]:
-        from transformers import DynamicCache
-
         if any(item.parents is not None for item in batch):
             raise NotImplementedError("the HF fallback engine does not run token trees; use the native engine")
         if len({item.seq_id for item in batch}) != len(batch):
@@ -105,23 +103,30 @@ class HFEngine:
         results = []
         with torch.inference_mode():
             for item in batch:
-                cache = self._caches[item.seq_id]
-                if cache is None:
-                    cache = DynamicCache(config=self.model.config)
                 start = self._lengths[item.seq_id]
                 ids = torch.tensor([item.token_ids], dtype=torch.long, device=self.device)
-                positions = torch.arange(start, start + ids.shape[1], device=self.device)
-                out = self.model(
-                    input_ids=ids,
-                    past_key_values=cache,
-                    position_ids=positions.unsqueeze(0),
-                    cache_position=positions,
-                    use_cache=True,
-                )
-                self._caches[item.seq_id] = out.past_key_values
+                logits, self._caches[item.seq_id] = self._run(item.seq_id, ids, start)
                 self._lengths[item.seq_id] = start + ids.shape[1]
-                results.append(out.logits[0, list(item.logits_at)].float())
+                results.append(logits[0, list(item.logits_at)].float())
         self.stats.num_forwards += 1
         self.stats.num_sequences_forwarded += len(batch)
         self.stats.num_tokens_forwarded += sum(len(item.token_ids) for item in batch)
         return results
+
+    def _run(self, seq_id: int, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, Any]:
+        """One model call: ids [1, num_new] after `start` cached tokens -> (logits [1, num_new, vocab],
+        the sequence's cache). A subclass with other model inputs (encoder-decoder) overrides it."""
+        from transformers import DynamicCache
+
+        cache = self._caches[seq_id]
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)
+        out = self.model(
+            input_ids=ids,
+            past_key_values=cache,
+            position_ids=positions.unsqueeze(0),
+            cache_position=positions,
+            use_cache=True,
+        )
+        return out.logits, out.past_key_values

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from specmesh.models.config import NATIVE_MODEL_TYPES
+from specmesh.models.encdec import is_encoder_decoder_config, load_encdec_engine
 from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, Engine, config_max_context
 from specmesh.models.weights import load_tensors
 
@@ -55,7 +56,8 @@ def load_engine(
 
     path_or_dir: a local HF folder (config.json + safetensors), or any spec `resolve_model_spec`
     accepts ("default", a .gguf path, a hub id). backend: "native" (Llama family only), "hf" or "auto"
-    (native when config.model_type is llama/mistral/qwen2/qwen3). quantize (native backend, CPU, float32
+    (native when config.model_type is llama/mistral/qwen2/qwen3); an encoder-decoder model (T5, BART, ...)
+    is an `EncDecEngine` on the hf backend (see specmesh/models/encdec.py). quantize (native backend, CPU, float32
     activations): None; "int8" / "int4" / "q4_0" / "q4_1" / "q8_0" / "q4_k" / "q6_k" (weight-only
     low-bit, see specmesh/models/lowbit/quantize.py); "gguf" (serve a .gguf spec's, or the default
     model's, own quantized blocks); "int8-dynamic" (fast but batch-variant: drafters only).
@@ -73,6 +75,11 @@ def load_engine(
     torch_device = torch.device(device)
     hf_config = AutoConfig.from_pretrained(folder)
     eos = eos_token_ids(folder, hf_config)
+    if is_encoder_decoder_config(hf_config):  # T5, BART, Marian, ...: the transformers backend (specmesh.models.encdec)
+        if backend == "native" or quantize is not None:
+            raise ValueError(f"{hf_config.model_type!r} is an encoder-decoder model: it runs on the hf backend, "
+                             "without quantize (the native backend and quantize are for the Llama family)")
+        return load_encdec_engine(folder, hf_config, torch_dtype, torch_device, max_kv_tokens, eos)
     if backend == "auto":
         backend = "native" if hf_config.model_type in NATIVE_MODEL_TYPES else "hf"
     if backend == "native":

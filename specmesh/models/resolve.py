@@ -85,16 +85,18 @@ def resolve_model_spec(spec: str) -> Path:
 
 
 def check_supported(folder: Path, spec: str) -> None:
-    """Raise ModelSpecError unless transformers has a causal-LM class for the folder's architecture."""
+    """Raise ModelSpecError unless transformers has a causal-LM or a text-to-text (encoder-decoder)
+    class for the folder's architecture."""
     import json
 
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
 
     model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
         raise ModelSpecError(
-            f"model spec {spec!r}: architecture {model_type!r} is not a causal LM transformers can load; "
-            "use a decoder-only model (Llama, Mistral, Qwen2/3, SmolLM2, GPT-2, ...)"
+            f"model spec {spec!r}: architecture {model_type!r} is not a causal LM or a text-to-text model transformers "
+            "can load; use a decoder-only model (Llama, Mistral, Qwen2/3, SmolLM2, GPT-2, ...) or an encoder-decoder "
+            "one (T5, BART, Marian, ...)"
         )
 
 
@@ -109,7 +111,7 @@ def _hub_model_dir(spec: str) -> Path:
         pass
     try:
         _log(f"downloading {spec} from the Hugging Face Hub ...")
-        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.spm", "*.txt"]))
     except Exception as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelSpecError(

@@ -25,6 +25,7 @@ class DraftOpenSessionRequest(_message.Message):
 
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    ENCODER_INPUT_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[prompt_len] the full prompt"""
@@ -33,15 +34,20 @@ class DraftOpenSessionRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """the request's sampling; q is processed the same way as p"""
 
+    @_builtins.property
+    def encoder_input_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """[num_encoder_tokens] for an encoder-decoder target: the same encoder"""
+
     def __init__(
         self,
         *,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
+        encoder_input_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input_ids", b"encoder_input_ids", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -228,8 +234,11 @@ class DraftGetInfoResponse(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     DRAFTER_FIELD_NUMBER: _builtins.int
     KV_FIELD_NUMBER: _builtins.int
+    IS_ENCODER_DECODER_FIELD_NUMBER: _builtins.int
     drafter: _builtins.str
     """"model" or "ngram" """
+    is_encoder_decoder: _builtins.bool
+    """the drafter model is encoder-decoder: sessions need encoder_input_ids"""
     @_builtins.property
     def model(self) -> _common_pb2.ModelInfo: ...
     @_builtins.property
@@ -242,10 +251,11 @@ class DraftGetInfoResponse(_message.Message):
         model: _common_pb2.ModelInfo | None = ...,
         drafter: _builtins.str = ...,
         kv: _common_pb2.KvUsage | None = ...,
+        is_encoder_decoder: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drafter", b"drafter", "kv", b"kv", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drafter", b"drafter", "is_encoder_decoder", b"is_encoder_decoder", "kv", b"kv", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

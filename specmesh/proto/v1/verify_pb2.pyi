@@ -26,6 +26,7 @@ class VerifyOpenSessionRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     SKELETON_FIELD_NUMBER: _builtins.int
+    ENCODER_INPUT_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[prompt_len]"""
@@ -38,16 +39,21 @@ class VerifyOpenSessionRequest(_message.Message):
     def skeleton(self) -> Global___SkeletonConstraint:
         """optional: the session writes a Skeleton-of-Thought plan"""
 
+    @_builtins.property
+    def encoder_input_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """[num_encoder_tokens] encoder-decoder targets (T5, BART, ...; see"""
+
     def __init__(
         self,
         *,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         skeleton: Global___SkeletonConstraint | None = ...,
+        encoder_input_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "skeleton", b"skeleton"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "skeleton", b"skeleton"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input_ids", b"encoder_input_ids", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling", "skeleton", b"skeleton"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -486,19 +492,25 @@ class VerifyGenerateRequest(_message.Message):
 
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    ENCODER_INPUT_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def encoder_input_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """as in VerifyOpenSessionRequest: encoder-decoder targets only"""
+
     def __init__(
         self,
         *,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
+        encoder_input_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input_ids", b"encoder_input_ids", "prompt_token_ids", b"prompt_token_ids", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -561,6 +573,8 @@ class VerifyGetInfoResponse(_message.Message):
     KV_FIELD_NUMBER: _builtins.int
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_FORK_CHILDREN_FIELD_NUMBER: _builtins.int
+    IS_ENCODER_DECODER_FIELD_NUMBER: _builtins.int
+    DECODER_PROMPT_IDS_FIELD_NUMBER: _builtins.int
     fused_drafter: _builtins.str
     """drafter hosted for Step, "" if none"""
     max_batch_tokens: _builtins.int
@@ -569,11 +583,17 @@ class VerifyGetInfoResponse(_message.Message):
     """the largest k a Verify may carry"""
     max_fork_children: _builtins.int
     """the most children one Fork may create"""
+    is_encoder_decoder: _builtins.bool
+    """the target is an encoder-decoder model: sessions need encoder_input_ids"""
     @_builtins.property
     def model(self) -> _common_pb2.ModelInfo: ...
     @_builtins.property
     def kv(self) -> _common_pb2.KvUsage:
         """the target's KV pool now"""
+
+    @_builtins.property
+    def decoder_prompt_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """encoder-decoder targets: the decoder prompt generation starts from"""
 
     def __init__(
         self,
@@ -584,10 +604,12 @@ class VerifyGetInfoResponse(_message.Message):
         kv: _common_pb2.KvUsage | None = ...,
         max_draft_tokens: _builtins.int = ...,
         max_fork_children: _builtins.int = ...,
+        is_encoder_decoder: _builtins.bool = ...,
+        decoder_prompt_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fused_drafter", b"fused_drafter", "kv", b"kv", "max_batch_tokens", b"max_batch_tokens", "max_draft_tokens", b"max_draft_tokens", "max_fork_children", b"max_fork_children", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decoder_prompt_ids", b"decoder_prompt_ids", "fused_drafter", b"fused_drafter", "is_encoder_decoder", b"is_encoder_decoder", "kv", b"kv", "max_batch_tokens", b"max_batch_tokens", "max_draft_tokens", b"max_draft_tokens", "max_fork_children", b"max_fork_children", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
