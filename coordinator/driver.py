@@ -104,9 +104,11 @@ class VerifyHandle:
 class FailoverVerifier:
     """An `AsyncStepper` over the Verify replicas of `pool` (module docstring)."""
 
-    def __init__(self, pool: ServicePool, info: TargetInfo, calls: Calls, failovers: Failovers, sparse_q: bool = False):
+    def __init__(self, pool: ServicePool, info: TargetInfo, calls: Calls, failovers: Failovers, sparse_q: bool = False,
+                 encoder_input_ids: Sequence[int] = ()):
         self.pool = pool
         self._info = info
+        self.encoder_input_ids = list(encoder_input_ids)  # an encoder-decoder target's input (every replica opened gets it)
         self.calls = calls
         self.failovers = failovers
         self.sparse_q = sparse_q
@@ -169,7 +171,8 @@ class FailoverVerifier:
         while True:
             replica = self.pool.acquire()
             remote = RemoteVerifier(verify_pb2_grpc.VerifyServiceStub(self.pool.channel(replica)), timeout_s=self.calls.timeout_s,
-                                    sparse_q=self.sparse_q, metadata=self.calls.metadata, info=self._info)
+                                    sparse_q=self.sparse_q, metadata=self.calls.metadata, info=self._info,
+                                    encoder_input_ids=self.encoder_input_ids)
             try:
                 session_id, first = await open_or_close_later(self._open_on(remote, prompt, params),
                                                               lambda opened: remote.close(opened[0]))  # noqa: B023
@@ -201,8 +204,9 @@ class FailoverDrafter:
 
     def __init__(self, pool: ServicePool | None, calls: Calls, failovers: Failovers, *, use_service: bool,
                  q_dtype: torch.dtype = torch.float32, sparse_q: bool = False,
-                 ngram: Callable[[], PromptLookupDrafter] = PromptLookupDrafter):
+                 ngram: Callable[[], PromptLookupDrafter] = PromptLookupDrafter, encoder_input_ids: Sequence[int] = ()):
         self.pool = pool if use_service else None
+        self.encoder_input_ids = list(encoder_input_ids)  # an encoder-decoder pair's input (n-grams draft without it)
         self.calls = calls
         self.failovers = failovers
         self.q_dtype = q_dtype
@@ -221,7 +225,8 @@ class FailoverDrafter:
             self.current = "ngram"
             return handle
         handle.remote = RemoteDrafter(draft_pb2_grpc.DraftServiceStub(self.pool.channel(handle.replica)), q_dtype=self.q_dtype,
-                                      sparse_q=self.sparse_q, timeout_s=self.calls.timeout_s, metadata=self.calls.metadata)
+                                      sparse_q=self.sparse_q, timeout_s=self.calls.timeout_s, metadata=self.calls.metadata,
+                                      encoder_input_ids=self.encoder_input_ids)
         remote = handle.remote
         try:
             handle.remote_session = await open_or_close_later(remote.open(prompt_ids, params), remote.close)

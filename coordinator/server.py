@@ -47,15 +47,18 @@ def _channel_factory(options: CoordinatorOptions):
     return open_downstream
 
 
-async def target_info(pool: ServicePool, deadline_s: float) -> TargetInfo:
-    """The target's vocab, context and EOS ids, from the first Verify replica that answers."""
+async def target_info(pool: ServicePool, deadline_s: float) -> tuple[TargetInfo, list[int] | None]:
+    """The target's vocab, context and EOS ids, from the first Verify replica that answers; and for an
+    encoder-decoder target the decoder prompt its generations start from (None: decoder-only)."""
     last_error: Exception | None = None
     while time.monotonic() < deadline_s:
         for replica in pool.replicas.replicas:
             try:
-                model = (await verify_pb2_grpc.VerifyServiceStub(pool.channel(replica)).GetInfo(
-                    verify_pb2.VerifyGetInfoRequest(), timeout=2.0)).model
-                return TargetInfo(model.vocab_size, model.max_context_tokens, tuple(model.eos_token_ids))
+                response = await verify_pb2_grpc.VerifyServiceStub(pool.channel(replica)).GetInfo(
+                    verify_pb2.VerifyGetInfoRequest(), timeout=2.0)
+                model = response.model
+                decoder_prompt = list(response.decoder_prompt_ids) if response.is_encoder_decoder else None
+                return TargetInfo(model.vocab_size, model.max_context_tokens, tuple(model.eos_token_ids)), decoder_prompt
             except grpc.aio.AioRpcError as exc:
                 last_error = exc
         await asyncio.sleep(0.5)
@@ -76,10 +79,11 @@ async def create_server(options: CoordinatorOptions) -> tuple[ServiceHandle, int
                         discovery_interval_s=options.discovery_interval_s)
     for pool in (verify, draft):  # before GetInfo: a dns / ray source that is empty at start is re-read meanwhile
         pool.start_health_checks(options.health_interval_s)
-    info = await target_info(verify, time.monotonic() + INFO_WAIT_S)
+    info, decoder_prompt_ids = await target_info(verify, time.monotonic() + INFO_WAIT_S)
     metrics = ServiceMetrics("coordinator")
     cascade = CascadeStages(parse_cascade_stages(options.cascade_stages), open_downstream)
-    servicer = CoordinatorServicer(options, tokenizer, info, verify, draft, metrics, cascade)
+    servicer = CoordinatorServicer(options, tokenizer, info, verify, draft, metrics, cascade,
+                                   decoder_prompt_ids=decoder_prompt_ids)
 
     async def close_pools() -> None:
         await verify.close()

@@ -47,7 +47,8 @@ MODES = {
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(self, options: CoordinatorOptions, tokenizer, info: TargetInfo, verify: ServicePool, draft: ServicePool,
-                 metrics: ServiceMetrics, cascade: CascadeStages | None = None):
+                 metrics: ServiceMetrics, cascade: CascadeStages | None = None, *,
+                 decoder_prompt_ids: Sequence[int] | None = None):
         import torch
 
         self.options = options
@@ -57,6 +58,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.draft = draft
         self.metrics = metrics
         self.cascade = cascade or CascadeStages()  # no stages configured: a request naming one is refused
+        # an encoder-decoder target (T5, BART, ...): the request's text is the encoder's input, and every
+        # generation starts from this decoder prompt; None for a decoder-only target
+        self.decoder_prompt_ids = list(decoder_prompt_ids) if decoder_prompt_ids is not None else None
         self.q_dtype = getattr(torch, options.q_dtype)
         self.totals = SpecStats()
         self.num_requests = self.num_active = self.num_failed = self.num_failovers = 0
@@ -66,7 +70,25 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def max_context(self) -> int:
         return self.info.max_context
 
+    def _encoder_input_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
+        """An encoder-decoder target's encoder input: the prompt, or the last user message of a chat
+        (such models have no chat template), tokenized with the model's special tokens."""
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            text = request.prompt
+        elif which == "chat" and request.chat.messages:
+            text = next((m.content for m in reversed(request.chat.messages) if m.role == "user"),
+                        request.chat.messages[-1].content)
+        else:
+            raise ValueError("a GenerateRequest needs a prompt or chat messages")
+        ids = list(self.tokenizer(text).input_ids)
+        if not ids:
+            raise ValueError("the encoder input is empty")
+        return ids
+
     def _prompt_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
+        if self.decoder_prompt_ids is not None:
+            return list(self.decoder_prompt_ids)
         which = request.WhichOneof("input")
         if which == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
@@ -98,12 +120,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def Generate(self, request: coordinator_pb2.GenerateRequest, context):
         mode, drafter_kind = self._mode_and_drafter(request)
         prompt_ids = self._prompt_ids(request)
+        encoder_ids = self._encoder_input_ids(request) if self.decoder_prompt_ids is not None else []
+        if encoder_ids and (mode == "skeleton" or request.cascade not in ("", NO_CASCADE)):
+            raise ValueError("an encoder-decoder target runs the speculative, fused and autoregressive modes only "
+                             "(no skeleton, no cascade)")
         params = sampling_from_pb(request.sampling, self.info.vocab_size, self.options.default_max_new_tokens)
         calls, failovers = self._calls(context), Failovers()
         if mode == "skeleton":
             source = self._skeleton(request, prompt_ids, params, calls, failovers, drafter_kind)
         else:
-            source = self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers)
+            source = self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers, encoder_ids)
         responses = read_ahead(source, READ_AHEAD_RESPONSES)  # the next round runs while this one is written
         self.num_requests += 1
         self.num_active += 1
@@ -124,16 +150,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 self.num_failed += 1
 
     async def _plain(self, request: coordinator_pb2.GenerateRequest, mode: str, drafter_kind: str, prompt_ids: list[int],
-                     params: SamplingParams, calls: Calls,
-                     failovers: Failovers) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
+                     params: SamplingParams, calls: Calls, failovers: Failovers,
+                     encoder_ids: Sequence[int] = ()) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The speculative, fused and autoregressive modes: one stream, on the main branch (-1)."""
-        verifier = FailoverVerifier(self.verify, self.info, calls, failovers, sparse_q=self.options.sparse_q)
+        verifier = FailoverVerifier(self.verify, self.info, calls, failovers, sparse_q=self.options.sparse_q,
+                                    encoder_input_ids=encoder_ids)
         drafter = None
         if mode == "speculative" and drafter_kind != "none":
             drafter = FailoverDrafter(self.draft, calls, failovers, use_service=drafter_kind == "service" and bool(self.draft),
-                                      q_dtype=self.q_dtype, sparse_q=self.options.sparse_q)
+                                      q_dtype=self.q_dtype, sparse_q=self.options.sparse_q, encoder_input_ids=encoder_ids)
         outer: AsyncDrafter | None = drafter
-        if mode == "speculative":  # the base drafter under the request's Stage services, if it names any
+        if mode == "speculative" and not encoder_ids:  # the base drafter under the request's Stage services, if any
             outer = await self.cascade.wrap(drafter, request.cascade, calls, failovers, self.info.vocab_size,
                                             sparse_q=self.options.sparse_q)
         elif request.cascade and request.cascade != NO_CASCADE:

@@ -171,3 +171,40 @@ def test_a_fused_drafter_of_another_kind_or_vocabulary_fails_at_load(models, tin
     mismatched = VerifyOptions(model=models["target"], fused_drafter="model", fused_drafter_model=str(other_vocab))
     with pytest.raises(IncompatibleDraftError, match="vocabulary has 320 tokens"):
         build_fused_drafter(mismatched, target, models["target"])
+
+
+def test_the_coordinator_serves_an_encoder_decoder_pair_exactly(cluster, models):
+    """Through the Coordinator: the prompt text is the encoder's input; speculative (Draft service) and
+    autoregressive greedy streams equal target-only decoding in-process; skeleton and cascade are refused."""
+    from transformers import AutoTokenizer
+
+    from client.wire_loop import channel
+    from coordinator.options import CoordinatorOptions
+    from coordinator.server import create_server as create_coordinator
+    from specmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    text = "the quick brown fox"
+    encoder_ids = list(AutoTokenizer.from_pretrained(models["target"])(text).input_ids)
+    expected = _reference(models, encoder_ids, SamplingParams(**GREEDY), 0).token_ids
+    with BackgroundServices() as services:
+        coordinator = services.start(create_coordinator(CoordinatorOptions(
+            model=models["target"], port=0, verify_addresses=cluster["verify"], draft_addresses=cluster["draft"])))
+
+        async def run(mode, **extra):
+            request = coordinator_pb2.GenerateRequest(prompt=text, mode=mode, sampling=common_pb2.SamplingParams(**GREEDY),
+                                                      **extra)
+            async with channel(f"127.0.0.1:{coordinator.port}") as ch:
+                tokens, last = [], None
+                async for response in coordinator_pb2_grpc.CoordinatorServiceStub(ch).Generate(request, timeout=TIMEOUT_S):
+                    tokens += response.token_ids
+                    last = response
+                return tokens, last.stats
+
+        tokens, stats = _run(run(coordinator_pb2.GENERATION_MODE_SPECULATIVE, drafter="service", num_draft_tokens=3))
+        assert tokens == expected and stats.drafter == "draft-service" and stats.num_draft_tokens > 0
+        assert _run(run(coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE))[0] == expected
+        for mode, extra in ((coordinator_pb2.GENERATION_MODE_SKELETON, {}),
+                            (coordinator_pb2.GENERATION_MODE_SPECULATIVE, {"cascade": "127.0.0.1:1"})):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                _run(run(mode, **extra))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
