@@ -4,7 +4,7 @@
   cost.py      forward-time models: `CostTable` (measured), `RooflineCost` (datasheets), `LinearCost`
   profile.py   `profile_engine`: measure a real engine into a `CostTable`
   workload.py  request sizes, conversations, the acceptance model (per position or a trace)
-  servers.py   FIFO devices and links in virtual time; `TargetServer`, the Verify batcher's policy
+  servers.py   engines (own device, or a shared host's cores), links; `TargetServer`, the Verify batcher
   cluster.py   `Simulation`: clients, the coordinator's session loop and routers, one run
   results.py   per-request records and the summary (throughput, goodput, percentiles, Little's law)
   report.py    JSON / CSV (/ PNG) outputs and `sweep`

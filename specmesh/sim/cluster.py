@@ -19,11 +19,16 @@ One request, as the Coordinator runs it (coordinator/driver.py over specmesh.dec
   the acceptance model draws n accepted; n + 1 tokens go back to the client;
   at the end the session leaves the target (no longer an expected caller) and the routers hear
   `finish(latency, tokens)` (weighted JSQ learns capacity from it).
-Not modelled: KV admission limits, failures and failover, Skeleton-of-Thought, adaptive k.
+Each service's forwards run on its own device, or on a shared host's cores (`hosts` in the config,
+`threads` per group: processor sharing, servers.py); the summary's `hosts` gives each host's cores
+and the share of them in use.
+Not modelled: KV admission limits, failures and failover, Skeleton-of-Thought, adaptive k, the CPU
+the services spend outside forwards (gRPC, asyncio: in the per-message latency, not on the cores).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from pathlib import Path
@@ -37,7 +42,7 @@ from specmesh.routing.replica_set import ReplicaSet
 from specmesh.sim.config import Link, SimConfig
 from specmesh.sim.cost import CostModel, CostTable, LinearCost, RooflineCost, device_spec, model_dims
 from specmesh.sim.results import DeviceRecord, RequestRecord, SimResult, summarize
-from specmesh.sim.servers import DraftServer, FifoServer, NetLink, TargetServer, Window
+from specmesh.sim.servers import DeviceEngine, DraftServer, Engine, Host, HostedEngine, NetLink, TargetServer, Window
 from specmesh.sim.workload import AcceptanceModel, conditional_from_marginal, load_trace, make_sampler
 
 
@@ -73,7 +78,7 @@ class Simulation:
         self._client_latency_s = net.client.latency_ms / 1e3
         self._client_s_per_byte = 8.0 / (net.client.bandwidth_mbps * 1e6) if net.client.bandwidth_mbps > 0 else 0.0
 
-        self._hosts: dict[str, FifoServer] = {}
+        self.hosts: dict[str, Host] = {}
         self.targets: dict[str, tuple[TargetServer, NetLink, float, CostModel | None]] = {}
         replicas = []
         for gi, group in enumerate(config.targets):
@@ -82,7 +87,7 @@ class Simulation:
             for i in range(group.count):
                 name = f"target{gi}.{i}"
                 server = TargetServer(self.env, name, cost, self.window, group.max_batch_tokens, group.batch_window_ms,
-                                      group.prefill_chunk_tokens, self._host_engine(group.host))
+                                      group.prefill_chunk_tokens, self._engine(name, group.host, group.threads))
                 self.targets[name] = (server, self._link(name, group.node), group.fused_draft_ms_per_token, fused_cost)
                 replicas.append(Replica(name, weight=group.weight))
         self.target_set = ReplicaSet(replicas, make_router(**config.router), rng=random.Random(f"{seed}/router"),
@@ -96,7 +101,7 @@ class Simulation:
                 for i in range(dgroup.count):
                     name = f"draft{gi}.{i}"
                     drafter = DraftServer(self.env, name, cost, self.window, dgroup.max_batch_sessions, dgroup.batch_window_ms,
-                                          self._host_engine(dgroup.host))
+                                          self._engine(name, dgroup.host, dgroup.threads))
                     self.drafts.append((drafter, self._link(name, dgroup.node)))
                     draft_replicas.append(Replica(name, weight=dgroup.weight))
         self._draft_by_name = {d.name: (d, link) for d, link in self.drafts}
@@ -106,18 +111,22 @@ class Simulation:
         spec = config.speculation
         conditional = conditional_from_marginal(spec.acceptance_marginal) if spec.acceptance_marginal else spec.acceptance
         self.acceptance = AcceptanceModel(conditional, spec.acceptance_trace)
+        # a recorded run replayed: the i-th request started gets the i-th list of accepted counts (cycling)
+        self._request_traces = itertools.cycle(spec.acceptance_per_request) if spec.acceptance_per_request else None
         wl = config.workload
         self._prompt_tokens = make_sampler(wl.prompt_tokens, "workload.prompt_tokens")
         self._output_tokens = make_sampler(wl.output_tokens, "workload.output_tokens")
         self._turns = make_sampler(wl.turns, "workload.turns")
         self._followup_tokens = make_sampler(wl.followup_tokens, "workload.followup_tokens")
 
-    def _host_engine(self, host: str) -> FifoServer | None:
+    def _engine(self, name: str, host: str, threads: int) -> Engine:
+        """A service's engine: its own device, or `threads` of a shared host's cores."""
         if not host:
-            return None
-        if host not in self._hosts:
-            self._hosts[host] = FifoServer(host, self.window)
-        return self._hosts[host]
+            return DeviceEngine(self.env, name, self.window)
+        if host not in self.hosts:
+            spec = self.config.hosts.get(host)
+            self.hosts[host] = Host(self.env, host, self.config.host_cores(host), self.window, spec.background_threads if spec else 0.0)
+        return HostedEngine(self.env, self.hosts[host], threads, self.window)
 
     def _link(self, name: str, node: str) -> NetLink:
         net = self.config.network
@@ -185,6 +194,7 @@ class Simulation:
         mode, overhead, per_token = config.mode, self._overhead, self._bytes_per_token
         record = RequestRecord(env.now, num_prompt, max_new_tokens)
         self.requests.append(record)
+        own_trace = next(self._request_traces) if self._request_traces is not None else None  # in start order
         yield env.timeout(self._client_s(overhead + per_token * num_prompt))
         open_s = env.now
         replica = self.target_set.acquire()
@@ -206,7 +216,7 @@ class Simulation:
 
         yield env.timeout(link.send_down(env.now, overhead + per_token * num_prompt) - env.now)
         for job_ms in server.prefill_jobs_ms(num_prompt):
-            yield env.timeout(server.run_job(env.now, job_ms / 1e3) - env.now)
+            yield server.run_job(job_ms / 1e3)
         server.num_sessions += 1
         t = link.send_up(env.now, overhead + per_token)
         record.first_token_s = t + self._client_s(overhead + per_token)
@@ -233,9 +243,14 @@ class Simulation:
                     if not fused_opened:
                         draft_ms += fused_cost.forward_ms(1, num_prompt, 0)
                 fused_opened = True
-                yield env.timeout(server.run_job(env.now, draft_ms / 1e3) - env.now)
+                yield server.run_job(draft_ms / 1e3)
             yield server.verify(1 + k, context)
-            num_accepted = self.acceptance.num_accepted(k, rng, record.num_rounds, trace_offset) if k else 0
+            if not k:
+                num_accepted = 0
+            elif own_trace:
+                num_accepted = min(k, own_trace[record.num_rounds % len(own_trace)])
+            else:
+                num_accepted = self.acceptance.num_accepted(k, rng, record.num_rounds, trace_offset)
             new_input = num_accepted + 1
             # the drafter kept its first k - 1 draft tokens; it feeds the target's token (and the last
             # draft token when all k were accepted); without a draft this round, everything new
@@ -298,6 +313,8 @@ class Simulation:
             "queue_depth_mean": sum(d.queue_depth_mean for d in targets) / len(targets),
             "queue_depth_max": max(d.queue_depth_max for d in targets),
             "sessions_per_target_max": self.max_sessions_per_target,
+            "hosts": {name: {"cores": h.cores, "core_utilisation": h.core_utilisation()}
+                      for name, h in self.hosts.items()},
             "virtual_s": self.config.duration_s,
             "wall_s": wall_s,
             "virtual_s_per_wall_s": self.config.duration_s / wall_s if wall_s > 0 else float("inf"),

@@ -5,9 +5,19 @@
 Sections: `mode`, `duration_s`, `burn_in_s`, `seed`; `models` (target / draft dimensions for
 roofline costs); `devices` (name -> a cost: `table: file.json`, `roofline: {preset | specs}`, or
 `linear: {base_ms, per_token_ms, per_context_ms}`); `targets` (server groups); `drafts` (device
-groups and how sessions find one); `network` (links by placement); `router` / `draft_router`
-(`specmesh.routing` names and options); `speculation` (k, acceptance); `workload`; `slo`.
+groups and how sessions find one); `hosts` (machines shared by several services: their cores);
+`network` (links by placement); `router` / `draft_router` (`specmesh.routing` names and options);
+`speculation` (k, acceptance); `workload`; `slo`.
 Unknown keys are errors, so a typo does not silently fall back to a default.
+
+Hosts: a target or draft group with `host: NAME` (count 1: one process) runs on that machine's
+cores, shared with the other services naming it; its `threads` (torch threads, 1 by default: the
+setting its cost table was profiled with) are the cores one of its forwards asks for. Forwards run
+side by side at full speed while the threads asked fit in the cores and slow down in proportion past
+that (servers.py). `hosts: {NAME: {cores: 2, background_threads: 0.5}}` (the second: other load on
+the machine, e.g. measured as its CPU use); a host not listed gets as many cores as its largest
+service has threads (services that each use every core: they share them as if taking turns).
+A group without `host:` has its device to itself.
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ class TargetGroup:
     count: int = 1
     device: str = "target"  # a key of `devices`
     node: str = "target"  # placement: links between different nodes use network.cross_node
-    host: str = ""  # services with the same non-empty host share its cores: one engine (servers.py); count must be 1
+    host: str = ""  # services with the same non-empty host share its cores (`hosts`, servers.py); count must be 1
+    threads: int = 1  # torch threads of its engine (as profiled): cores a forward asks of its host
     weight: float = 1.0  # the router's prior capacity (specmesh.routing.Replica.weight)
     max_batch_tokens: int = 4096  # VerifyOptions.max_batch_tokens
     batch_window_ms: float = 2.0  # VerifyOptions.batch_window_ms
@@ -44,10 +55,17 @@ class DraftGroup:
     count: int = 1
     device: str = "draft"
     node: str = "edge"  # a draft device's own node unless it shares the coordinator's
-    host: str = ""  # as for targets: shares an engine with the other services of this host; count must be 1
+    host: str = ""  # as for targets: shares the cores of this host with its other services; count must be 1
+    threads: int = 1  # as for targets
     weight: float = 1.0
     max_batch_sessions: int = 64  # DraftOptions.max_batch_sessions
     batch_window_ms: float = 2.0  # DraftOptions.batch_window_ms
+
+
+@dataclass
+class HostSpec:
+    cores: int = 1  # cores the forwards of this machine's services share (processor sharing past them)
+    background_threads: float = 0.0  # other processes' runnable threads (a time average), sharing the cores alike
 
 
 @dataclass
@@ -72,6 +90,7 @@ class Speculation:
     acceptance: list[float] = field(default_factory=lambda: [0.8])  # P(position i accepted | all before it were); last repeats
     acceptance_marginal: list[float] = field(default_factory=list)  # instead: P(position i accepted), as `specmesh stats` prints
     acceptance_trace: list[int] = field(default_factory=list)  # instead: accepted tokens of recorded rounds, replayed
+    acceptance_per_request: list[list[int]] = field(default_factory=list)  # instead: request i started gets round counts [i]
     q_bytes_per_draft_token: int = 0  # sampled sessions send the draft distributions q (e.g. 4 * vocab)
 
 
@@ -107,6 +126,7 @@ class SimConfig:
     devices: dict[str, dict[str, Any]] = field(default_factory=dict)
     targets: list[TargetGroup] = field(default_factory=lambda: [TargetGroup()])
     drafts: list[DraftGroup] = field(default_factory=lambda: [DraftGroup()])
+    hosts: dict[str, HostSpec] = field(default_factory=dict)  # host name -> its cores; see the module docstring
     draft_assignment: str = "routed"  # routed: the draft_router picks per session | per_client: conversation i -> device i mod n
     network: Network = field(default_factory=Network)
     router: dict[str, Any] = field(default_factory=lambda: {"name": "jsq2"})
@@ -115,6 +135,13 @@ class SimConfig:
     workload: Workload = field(default_factory=Workload)
     slo: Slo = field(default_factory=Slo)
     base_dir: str = "."  # table and trace paths are relative to the config file
+
+    def host_cores(self, host: str) -> int:
+        """The cores of `host`: as listed under `hosts`, else its largest service's threads."""
+        if host in self.hosts:
+            return self.hosts[host].cores
+        groups: list[TargetGroup | DraftGroup] = [*self.targets, *self.drafts]
+        return max(g.threads for g in groups if g.host == host)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -136,6 +163,11 @@ class SimConfig:
         groups: list[TargetGroup | DraftGroup] = [*self.targets, *self.drafts]
         if any(g.host and g.count != 1 for g in groups):
             raise ValueError("a group with `host:` stands for one process on that host: count must be 1")
+        if any(g.threads < 1 for g in groups) or any(h.cores < 1 or h.background_threads < 0 for h in self.hosts.values()):
+            raise ValueError("threads and hosts' cores must be >= 1, background_threads >= 0")
+        unused = sorted(set(self.hosts) - {g.host for g in groups if g.host})
+        if unused:
+            raise ValueError(f"hosts {unused} are named by no target or draft group (`host:`)")
         used = {g.device for g in self.targets} | {g.fused_draft_device for g in self.targets if g.fused_draft_device}
         if self.mode == "distributed":
             used |= {g.device for g in self.drafts}
@@ -154,7 +186,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ValueError(f"{where or 'config'}: unknown keys {unknown}; known: {sorted(fields)}")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     nested = {"targets": TargetGroup, "drafts": DraftGroup}
     for name, value in data.items():
         f = fields[name]
@@ -162,6 +194,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
         key = f"{where}.{name}" if where else name
         if name in nested and cls is SimConfig:
             kwargs[name] = [_build(nested[name], item, f"{key}[{i}]") for i, item in enumerate(value or [])]
+        elif name == "hosts" and cls is SimConfig:
+            kwargs[name] = {str(host): _build(HostSpec, spec, f"{key}.{host}") for host, spec in (value or {}).items()}
         elif dataclasses.is_dataclass(default):
             kwargs[name] = _build(type(default), value, key)
         else:

@@ -9,6 +9,12 @@ then times one ragged forward of the first `rows` of them with `tokens_per_row` 
 (logits as `cost.logits_rows` says) and truncates them back, so the KV pool never grows. The time
 kept is the median of `repeats` runs after `warmup` unrecorded ones. Run it under the thread
 settings the service will use (torch.set_num_threads): processes on one host share its cores.
+
+`clock`: "wall" times the forward (what it took on this machine as loaded now); "thread_cpu" takes
+the calling thread's CPU time, which with 1 torch thread (the forward runs on the calling thread) is
+the forward's time on a core of its own, whatever else runs on the machine: the full-speed time the
+simulator's host model expects (servers.py). `meta["wall_over_cpu"]` is the mean ratio of the two,
+how much other load slowed the profile.
 """
 
 from __future__ import annotations
@@ -37,11 +43,18 @@ def profile_engine(
     warmup: int = 1,
     meta: dict[str, Any] | None = None,
     on_point: Callable[[int, int], None] | None = None,
+    clock: str = "wall",
 ) -> CostTable:
     """The table of median forward times (ms); `on_point(done, total)` after each grid point."""
     import torch
 
     from specmesh.models.engine import SeqInput
+
+    if clock not in ("wall", "thread_cpu"):
+        raise ValueError(f"clock must be wall or thread_cpu, got {clock!r}")
+    if clock == "thread_cpu" and torch.get_num_threads() != 1:
+        raise ValueError("clock thread_cpu needs 1 torch thread (the forward then runs on the calling thread)")
+    ratios: list[float] = []
 
     rows, tokens_per_row, context = sorted(set(rows)), sorted(set(tokens_per_row)), sorted(set(context))
     if max(context) + max(tokens_per_row) > engine.max_context:
@@ -59,13 +72,14 @@ def profile_engine(
                     batch = [SeqInput(s, [token_id] * num_new, logits_at) for s in seqs[:num_rows]]
                     samples = []
                     for i in range(warmup + repeats):
-                        start = time.perf_counter()
+                        start, start_cpu = time.perf_counter(), time.thread_time()
                         engine.forward(batch)
-                        elapsed_ms = (time.perf_counter() - start) * 1e3
+                        wall_ms, cpu_ms = (time.perf_counter() - start) * 1e3, (time.thread_time() - start_cpu) * 1e3
                         for s in seqs[:num_rows]:
                             engine.truncate(s, num_context)
                         if i >= warmup:
-                            samples.append(elapsed_ms)
+                            samples.append(cpu_ms if clock == "thread_cpu" else wall_ms)
+                            ratios.append(wall_ms / cpu_ms if cpu_ms > 0 else 1.0)
                     times[ri][ti][ci] = statistics.median(samples)
                     done += 1
                     if on_point is not None:
@@ -74,5 +88,6 @@ def profile_engine(
             for s in seqs:
                 engine.free(s)
     info = {"backend": engine.backend, "dtype": str(engine.dtype), "device": str(engine.device),
-            "torch_threads": torch.get_num_threads(), "repeats": repeats, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "torch_threads": torch.get_num_threads(), "repeats": repeats, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "clock": clock, "wall_over_cpu": round(statistics.fmean(ratios), 3)}
     return CostTable(list(rows), list(tokens_per_row), list(context), times, {**info, **(meta or {})})

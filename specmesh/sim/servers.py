@@ -1,11 +1,28 @@
-"""Devices and links in virtual time: FIFO engines, network links, and the target's Verify batcher.
+"""Devices and links in virtual time: engines, shared hosts, network links, and the Verify batcher.
 
 A FIFO single server needs no events of its own: a job handed over at `now` starts when the server
 frees up and ends `service_s` later, so `reserve` returns its end time and the caller sleeps until
 then (one SimPy timeout). This holds as long as jobs reach a server in the order they are reserved:
-true for a target's engine (the batcher and prefills reserve at `now`) and for a link or draft
-device reserved ahead of time through one link of fixed latency (arrival times then keep the order
-of reservation).
+true for a link or draft device reserved ahead of time through one link of fixed latency (arrival
+times then keep the order of reservation) and for an engine (jobs are handed over at `now`).
+
+Engines. Each service has one engine thread (DESIGN.md): its forwards run one at a time, first come
+first served. A service alone on its device (`DeviceEngine`) runs each forward in its table's time.
+Services that name the same `host:` in the config run on that host's `cores` (`Host`): a service
+has `threads` (its torch threads, the setting its cost table was measured with), and while a forward
+runs it asks for that many cores. Processor sharing: while the running forwards ask for at most
+`cores` in all, each runs at full speed (a 2-core host runs a 1-thread draft forward and a 1-thread
+verify forward side by side); past that, every running forward slows by cores / (threads asked),
+as a fair OS scheduler gives each runnable thread the same share of the cores (other processes'
+load, `background_threads`, counts as threads asked). Worked example
+(`tests/unit/test_sim.py`): three 1-thread services on 2 cores, 10 ms forwards starting at 0, 0 and
+5 ms -> the first two run at full speed to 5 ms, then all three at 2/3 speed: the first two end at
+5 + 5 / (2/3) = 12.5 ms; the third has done 7.5 * 2/3 = 5 ms of its work by then, runs the rest
+alone at full speed and ends at 17.5 ms. No randomness: the same run gives the same schedule.
+Assumptions: a forward's time scales with the share of the cores it gets (exact for 1-thread
+forwards time-sliced on a core; optimistic for multi-thread OpenMP teams that oversubscribe cores,
+which spin and lose more than their share); memory bandwidth and caches are not shared; the
+services' own non-forward CPU (gRPC, asyncio) is not on the host (it is in the per-message latency).
 
 `BatchingServer.run` is `servicekit.batching.WindowBatcher._run` in virtual time: take calls first
 in, first out, up to `max_batch_cost` (at least one call); before each batch sleep `batch_window_ms`
@@ -14,10 +31,6 @@ service (`TargetServer`) counts tokens against `max_batch_tokens`; the Draft ser
 (`DraftServer`) counts sessions against `max_batch_sessions`. Prefill chunks are engine jobs too
 (`target_service.servicer._prefill`), so they interleave with batches in FIFO order, each delaying
 the rounds queued behind it by one chunk.
-
-Services on one host (`host:` in the config) share one engine: their forwards do not overlap. That is
-how processes that each use every core of the host share it (each forward runs at full speed, one at
-a time: the same total throughput as time-slicing), and how to profile them: one process, all cores.
 """
 
 from __future__ import annotations
@@ -89,6 +102,138 @@ class NetLink:
         return now_s + self.latency_s
 
 
+class DeviceEngine:
+    """The engine thread of a service alone on its device: forwards one at a time, in table time."""
+
+    def __init__(self, env: simpy.Environment, name: str, window: Window):
+        self.env = env
+        self.fifo = FifoServer(name, window)
+
+    @property
+    def busy_s(self) -> float:
+        return self.fifo.busy_s
+
+    @property
+    def num_jobs(self) -> int:
+        return self.fifo.num_jobs
+
+    def run(self, service_s: float) -> simpy.Event:
+        """A forward of `service_s` handed over now; the event fires when it ends."""
+        return self.env.timeout(self.fifo.reserve(self.env.now, service_s) - self.env.now)
+
+
+@dataclass(eq=False)
+class _Job:
+    engine: HostedEngine
+    remaining_s: float  # work left, in seconds at full speed
+    done: simpy.Event
+    start_s: float
+
+
+class Host:
+    """A machine's cores, shared by the forwards of the services on it (processor sharing; see the
+    module docstring). Event-driven: each change of the running set advances every job's work at the
+    old speed and schedules a timer for the next job to end; a superseded timer is ignored."""
+
+    DONE_S = 1e-9  # work left under this (float rounding of the clock) counts as finished
+
+    def __init__(self, env: simpy.Environment, name: str, cores: int, window: Window, background_threads: float = 0.0):
+        self.env = env
+        self.name = name
+        self.cores = cores
+        self.background_threads = background_threads  # other load: runnable threads that share the cores alike
+        self.window = window
+        self.running: list[_Job] = []
+        self.threads_asked = 0  # of the running jobs
+        self.core_busy_s = 0.0  # core-seconds in use inside the window
+        self._since_s = 0.0
+        self._timer_id = 0
+
+    def speed(self) -> float:
+        """The fraction of full speed every running forward gets now."""
+        demand = self.threads_asked + self.background_threads
+        return 1.0 if demand <= self.cores else self.cores / demand
+
+    def _advance(self) -> None:
+        now = self.env.now
+        elapsed = now - self._since_s
+        if elapsed > 0 and self.running:
+            work = elapsed * self.speed()
+            for job in self.running:
+                job.remaining_s -= work
+            self.core_busy_s += self.threads_asked * self.speed() * self.window.overlap_s(self._since_s, now)
+        self._since_s = now
+
+    def core_utilisation(self) -> float:
+        """The mean share of the cores in use by the services' forwards over the window, up to now."""
+        self._advance()
+        return self.core_busy_s / (self.cores * self.window.length_s)
+
+    def _schedule(self) -> None:
+        self._timer_id += 1
+        if self.running:
+            timer_id = self._timer_id
+            first_s = min(job.remaining_s for job in self.running)
+            timer = self.env.timeout(max(0.0, first_s) / self.speed())
+            timer.callbacks.append(lambda _event: self._on_timer(timer_id))
+
+    def admit(self, job: _Job) -> None:
+        self._advance()
+        self.running.append(job)
+        self.threads_asked += job.engine.threads
+        self._schedule()
+
+    def _on_timer(self, timer_id: int) -> None:
+        if timer_id != self._timer_id:
+            return
+        self._advance()
+        finished = [job for job in self.running if job.remaining_s <= self.DONE_S]
+        self.running = [job for job in self.running if job.remaining_s > self.DONE_S]
+        self.threads_asked -= sum(job.engine.threads for job in finished)
+        self._schedule()
+        for job in finished:
+            job.engine.finished(job)
+
+
+class HostedEngine:
+    """The engine thread of a service on a shared `Host`: its own forwards one at a time, FIFO, each
+    asking the host for `threads` cores while it runs."""
+
+    def __init__(self, env: simpy.Environment, host: Host, threads: int, window: Window):
+        self.env = env
+        self.host = host
+        self.threads = threads
+        self.window = window
+        self.busy_s = 0.0  # wall time with a forward running, inside the window
+        self.num_jobs = 0
+        self._running = False
+        self._pending: deque[tuple[float, simpy.Event]] = deque()
+
+    def run(self, service_s: float) -> simpy.Event:
+        done = self.env.event()
+        if self._running:
+            self._pending.append((service_s, done))
+        else:
+            self._start(service_s, done)
+        return done
+
+    def _start(self, service_s: float, done: simpy.Event) -> None:
+        self._running = True
+        if self.env.now in self.window:
+            self.num_jobs += 1
+        self.host.admit(_Job(self, service_s, done, self.env.now))
+
+    def finished(self, job: _Job) -> None:
+        self.busy_s += self.window.overlap_s(job.start_s, self.env.now)
+        job.done.succeed()
+        self._running = False
+        if self._pending:
+            self._start(*self._pending.popleft())
+
+
+Engine = DeviceEngine | HostedEngine
+
+
 class TimeAverage:
     """The time-weighted mean and the max of a quantity that changes at events, inside a window."""
 
@@ -121,13 +266,11 @@ class BatchingServer:
     """A service with one engine thread and `servicekit.batching.WindowBatcher` in front of it."""
 
     def __init__(self, env: simpy.Environment, name: str, window: Window, max_batch_cost: int, batch_window_ms: float,
-                 engine: FifoServer | None = None):
+                 engine: Engine | None = None):
         self.env = env
         self.name = name
         self.window = window
-        self.engine = engine or FifoServer(name, window)  # shared by the services of one host (`host:` in config)
-        self.busy_s = 0.0  # this service's own engine time inside the window
-        self.num_jobs = 0
+        self.engine: Engine = engine or DeviceEngine(env, name, window)
         self.max_batch_cost = max_batch_cost
         self.window_s = batch_window_ms / 1e3
         self.num_sessions = 0  # open sessions: the batcher's expected callers
@@ -143,13 +286,18 @@ class BatchingServer:
         """Engine milliseconds of one batch."""
         raise NotImplementedError
 
-    def run_job(self, now_s: float, service_s: float) -> float:
-        """Hand the engine a job (a batch, a prefill chunk); its end time."""
-        end = self.engine.reserve(now_s, service_s)
-        self.busy_s += self.window.overlap_s(end - service_s, end)
-        if end - service_s in self.window:
-            self.num_jobs += 1
-        return end
+    @property
+    def busy_s(self) -> float:
+        """Wall time this service's engine ran a forward, inside the window."""
+        return self.engine.busy_s
+
+    @property
+    def num_jobs(self) -> int:
+        return self.engine.num_jobs
+
+    def run_job(self, service_s: float) -> simpy.Event:
+        """Hand the engine a job (a batch, a prefill chunk) now; the event fires when it ends."""
+        return self.engine.run(service_s)
 
     def submit(self, cost: int, payload: tuple) -> simpy.Event:
         """Queue one call; the event fires when its batch has run."""
@@ -183,12 +331,12 @@ class BatchingServer:
             if self.window_s > 0 and len(self.queue) < self.num_sessions:
                 yield env.timeout(self.window_s)
             batch = self._take()
-            end = self.run_job(env.now, self.batch_ms([c.payload for c in batch]) / 1e3)
+            done = self.run_job(self.batch_ms([c.payload for c in batch]) / 1e3)
             if env.now in self.window:
                 self.num_batches += 1
                 self.num_batch_rows += len(batch)
                 self.num_batch_cost += sum(c.cost for c in batch)
-            yield env.timeout(end - env.now)
+            yield done
             for call in batch:
                 call.done.succeed()
 
@@ -197,7 +345,7 @@ class TargetServer(BatchingServer):
     """A Verify service. A call is (1 + k tokens, the session's context); a batch is one forward."""
 
     def __init__(self, env: simpy.Environment, name: str, cost: CostModel, window: Window, max_batch_tokens: int,
-                 batch_window_ms: float, prefill_chunk_tokens: int, engine: FifoServer | None = None):
+                 batch_window_ms: float, prefill_chunk_tokens: int, engine: Engine | None = None):
         super().__init__(env, name, window, max_batch_tokens, batch_window_ms, engine)
         self.cost = cost
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -227,7 +375,7 @@ class DraftServer(BatchingServer):
     prefills lazily), each later one a token per row still drafting."""
 
     def __init__(self, env: simpy.Environment, name: str, cost: CostModel, window: Window, max_batch_sessions: int,
-                 batch_window_ms: float, engine: FifoServer | None = None):
+                 batch_window_ms: float, engine: Engine | None = None):
         super().__init__(env, name, window, max_batch_sessions, batch_window_ms, engine)
         self.cost = cost
 

@@ -13,6 +13,7 @@ conditional [0.8, 0.75, 0.5].
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import random
@@ -56,8 +57,16 @@ class AcceptanceModel:
 
 
 def make_sampler(spec: Any, name: str):
-    """A function rng -> int from a size spec: 128 | [64, 128, 256] | {uniform: [lo, hi]} |
-    {lognormal: {median: 200, sigma: 0.8}} (rounded, at least 1)."""
+    """A function rng -> int from a size spec: 128 | [64, 128, 256] (drawn) | {uniform: [lo, hi]} |
+    {lognormal: {median: 200, sigma: 0.8}} (rounded, at least 1) | {sequence: [40, 31, 55]}: the
+    values in order, one per call, cycling (a recorded run replayed: the i-th request started gets
+    the i-th prompt and, from a second sampler, the i-th output length).
+
+    >>> import random
+    >>> sample = make_sampler({"sequence": [3, 1, 2]}, "output_tokens")
+    >>> [sample(random.Random(0)) for _ in range(4)]
+    [3, 1, 2, 3]
+    """
     if isinstance(spec, bool):
         raise ValueError(f"{name}: not a size: {spec!r}")
     if isinstance(spec, int | float):
@@ -76,7 +85,11 @@ def make_sampler(spec: Any, name: str):
         if kind == "lognormal":
             mu, sigma = math.log(float(args["median"])), float(args["sigma"])
             return lambda rng: max(1, round(rng.lognormvariate(mu, sigma)))
-    raise ValueError(f"{name}: expected an int, a list, {{uniform: [lo, hi]}} or {{lognormal: {{median, sigma}}}}, got {spec!r}")
+        if kind == "sequence" and isinstance(args, list) and args and all(int(v) >= 1 for v in args):
+            values = itertools.cycle([int(v) for v in args])
+            return lambda rng: next(values)
+    raise ValueError(f"{name}: expected an int, a list, {{uniform: [lo, hi]}}, {{lognormal: {{median, sigma}}}} "
+                     f"or {{sequence: [...]}}, got {spec!r}")
 
 
 def load_trace(path: str | Path) -> list[dict[str, float]]:

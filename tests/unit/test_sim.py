@@ -123,9 +123,10 @@ def test_draft_service_batches_propose_calls():
     assert eight.summary["throughput_tokens_per_s"] > 3 * one.summary["throughput_tokens_per_s"]
 
 
-def test_services_on_one_host_take_turns():
-    """A Draft and a Verify service with `host: box` share one engine: their busy times add up to at
-    most the window, and the pipelining of separate machines is gone."""
+def test_services_on_one_core_share_it():
+    """A Draft and a Verify service with `host: box` and no `hosts:` entry: the host gets one core
+    (their threads), so their forwards share it: the core is busy at most the whole window, and the
+    pipelining of separate machines is gone."""
     def run(host: str):
         return simulate(config_from_dict(base_config(
             targets=[{"count": 1, "device": "target", "host": host}], drafts=[{"count": 1, "device": "draft", "node": "target", "host": host}],
@@ -134,10 +135,101 @@ def test_services_on_one_host_take_turns():
             workload={"arrival": "closed", "num_clients": 8, "prompt_tokens": 16, "output_tokens": 64})))
 
     apart, shared = run(""), run("box")
-    busy = sum(d.busy_s for d in shared.devices)
-    assert busy <= shared.summary["window_s"] + 1e-6
-    assert busy > 0.95 * shared.summary["window_s"]  # saturated: eight clients keep the one engine busy
+    box = shared.summary["hosts"]["box"]
+    assert box["cores"] == 1
+    assert 0.95 < box["core_utilisation"] <= 1 + 1e-9  # saturated: eight clients keep the one core busy
     assert shared.summary["throughput_tokens_per_s"] < 0.9 * apart.summary["throughput_tokens_per_s"]
+
+
+def host_schedule(cores: int):
+    """Two requests, each: target prefill 10 ms, one draft forward 4 ms (k = 1), one verify 10 ms; a
+    Draft and a Verify service of 1 thread each on one host; no batch window, no network."""
+    return simulate(config_from_dict(base_config(
+        duration_s=1, burn_in_s=0, speculation={"k": 1, "acceptance_trace": [1]},
+        devices={"target": {"linear": {"base_ms": 10.0}}, "draft": {"linear": {"base_ms": 4.0}}},
+        targets=[{"count": 1, "device": "target", "host": "box", "batch_window_ms": 0}],
+        drafts=[{"count": 1, "device": "draft", "node": "target", "host": "box", "batch_window_ms": 0}],
+        hosts={"box": {"cores": cores}},
+        workload={"arrival": "trace", "trace": [{"arrival_s": 0.0, "prompt_tokens": 8, "output_tokens": 3},
+                                                {"arrival_s": 0.010, "prompt_tokens": 8, "output_tokens": 3}]})))
+
+
+def test_two_services_on_two_cores_overlap():
+    """2 cores, 1 thread each: the draft and verify forwards run side by side at full speed, as on
+    separate devices:
+        A: prefill [0, 10]; draft [10, 14]; verify waits for B's prefill: [20, 30]   -> e2e 30 ms
+        B: prefill [10, 20] (beside A's draft); draft [20, 24] (beside A's verify);
+           verify [30, 40]                                                       -> e2e 30 ms
+    """
+    result = host_schedule(cores=2)
+    a, b = result.requests
+    assert (a.e2e_s, b.e2e_s) == (pytest.approx(0.030), pytest.approx(0.030))
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(0.010), pytest.approx(0.010))
+    target, draft = sorted(result.devices, key=lambda d: d.kind, reverse=True)
+    assert (target.busy_s, draft.busy_s) == (pytest.approx(0.040), pytest.approx(0.008))
+    assert result.summary["hosts"]["box"]["core_utilisation"] == pytest.approx(0.048 / 2)
+
+
+def test_two_services_on_one_core_share_it():
+    """The same on 1 core: overlapping forwards each run at half speed.
+        B's prefill and A's draft start at 10: both at 1/2; A's draft (4 ms) ends at 18; B's prefill
+          has 6 ms left, alone: ends at 24 (B's first token: ttft 14 ms)
+        A's verify waits for the target's engine: [24, ...]; B's draft starts at 24 beside it, both
+          at 1/2: B's draft ends at 32, A's verify has 6 ms left: ends at 38     -> A e2e 38 ms
+        B's verify waits for the engine: [38, 48]                                -> B e2e 38 ms
+    The core is busy 48 ms (all the work) of the 1 s window."""
+    result = host_schedule(cores=1)
+    a, b = result.requests
+    assert (a.e2e_s, b.e2e_s) == (pytest.approx(0.038), pytest.approx(0.038))
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(0.010), pytest.approx(0.014))
+    target, draft = sorted(result.devices, key=lambda d: d.kind, reverse=True)
+    assert (target.busy_s, draft.busy_s) == (pytest.approx(0.010 + 0.014 + 0.014 + 0.010), pytest.approx(0.008 + 0.008))
+    assert result.summary["hosts"]["box"]["core_utilisation"] == pytest.approx(0.048)
+
+
+def test_three_single_thread_services_on_two_cores():
+    """Three Verify services (1 thread each) on a 2-core host, one one-token request each (a 10 ms
+    prefill), arriving at 0, 0 and 5 ms (round robin: one per service):
+        [0, 5]: two forwards, 2 threads on 2 cores: full speed; each has 5 ms of work left
+        from 5: three forwards on 2 cores: each at 2/3 speed; the first two end at 5 + 5 / (2/3) = 12.5
+        the third did 7.5 * 2/3 = 5 ms of work by then; 5 ms left, alone: ends at 17.5 (ttft 12.5)
+    """
+    result = simulate(config_from_dict(base_config(
+        mode="autoregressive", duration_s=1, burn_in_s=0, router={"name": "round_robin"},
+        targets=[{"count": 1, "device": "target", "host": "box"} for _ in range(3)], hosts={"box": {"cores": 2}},
+        workload={"arrival": "trace", "trace": [{"arrival_s": t, "prompt_tokens": 8, "output_tokens": 1} for t in (0.0, 0.0, 0.005)]})))
+    assert [r.ttft_s for r in result.requests] == [pytest.approx(0.0125), pytest.approx(0.0125), pytest.approx(0.0125)]
+    assert [r.end_s for r in result.requests] == [pytest.approx(0.0125), pytest.approx(0.0125), pytest.approx(0.0175)]
+    assert result.summary["hosts"]["box"]["core_utilisation"] == pytest.approx(0.030 / 2)
+
+
+def test_background_load_shares_the_cores():
+    """Other processes' load counts as threads asked: one 10 ms prefill (1 thread) on 2 cores beside
+    2 background threads runs at 2 / 3 speed and takes 15 ms; beside 1, it fits and takes 10 ms."""
+    def ttft_s(background: float) -> float:
+        result = simulate(config_from_dict(base_config(
+            mode="autoregressive", duration_s=1, burn_in_s=0, targets=[{"count": 1, "device": "target", "host": "box"}],
+            hosts={"box": {"cores": 2, "background_threads": background}},
+            workload={"arrival": "trace", "trace": [{"arrival_s": 0.0, "prompt_tokens": 8, "output_tokens": 1}]})))
+        return result.requests[0].ttft_s
+
+    assert ttft_s(2.0) == pytest.approx(0.015)
+    assert ttft_s(1.0) == pytest.approx(0.010)
+
+
+def test_enough_cores_is_the_same_as_separate_devices():
+    """With cores for every thread, a host changes nothing: the same run as separate devices."""
+    def run(hosts: dict, host: str):
+        return simulate(config_from_dict(base_config(
+            duration_s=20, targets=[{"count": 1, "device": "target", "host": host, "threads": 2}],
+            drafts=[{"count": 1, "device": "draft", "node": "target", "host": host}], hosts=hosts,
+            speculation={"k": 3, "acceptance": [0.7]},
+            workload={"arrival": "closed", "num_clients": 4, "prompt_tokens": [16, 40], "output_tokens": [20, 50]})))
+
+    apart, shared = run({}, ""), run({"box": {"cores": 3}}, "box")
+    assert [r.end_s for r in shared.requests] == pytest.approx([r.end_s for r in apart.requests], abs=1e-9)
+    tight = run({"box": {"cores": 2}}, "box")  # 3 threads asked of 2 cores when both run
+    assert tight.summary["throughput_tokens_per_s"] < apart.summary["throughput_tokens_per_s"]
 
 
 def test_jsq2_balances_better_than_random():
@@ -173,3 +265,7 @@ def test_config_errors_name_the_key():
         config_from_dict(base_config(targets=[{"device": "gpu"}]))
     with pytest.raises(ValueError, match="mode must be"):
         config_from_dict(base_config(mode="cascade"))
+    with pytest.raises(ValueError, match="named by no target or draft"):
+        config_from_dict(base_config(hosts={"box": {"cores": 2}}))
+    with pytest.raises(ValueError, match="hosts.box: unknown keys \\['core'\\]"):
+        config_from_dict(base_config(targets=[{"host": "box"}], hosts={"box": {"core": 2}}))
