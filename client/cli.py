@@ -60,6 +60,8 @@ def sampling_parser() -> argparse.ArgumentParser:
     group.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     group.add_argument("--seed", type=int, default=None)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--cascade", default="", help='Stage services the draft climbs before the target: "" = the '
+                                                     'coordinator\'s cascade_stages, "none" = off, or "addr [extend=m], ..."')
     group.add_argument("--timeout-s", type=float, default=600.0, help="deadline of one generation")
     return parser
 
@@ -68,7 +70,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     """`CoordinatorClient.generate` keywords from the generation flags."""
     return dict(mode=args.mode, drafter=args.drafter or "", k=args.k, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
-                timeout_s=args.timeout_s)
+                timeout_s=args.timeout_s, cascade=args.cascade)
 
 
 def make_client(args: argparse.Namespace) -> CoordinatorClient:

@@ -71,12 +71,16 @@ class GenerationStats:
     drafter: str = ""  # the drafter that finished the request ("" = target only)
     num_failovers: int = 0
     failovers: list[str] = field(default_factory=list)  # e.g. "draft -> ngram"
+    cascade: list[str] = field(default_factory=list)  # per Stage service: "address: accepted/verified, rounds"
+    lossy: bool = False  # an opt-in lossy mode produced some of the tokens
 
     @classmethod
     def from_pb(cls, pb: common_pb2.SpeculationStats) -> GenerationStats:
         return cls(pb.num_generated_tokens, pb.num_drafts, pb.num_draft_tokens, pb.num_accepted_tokens,
                    list(pb.accepted_per_position), pb.mean_accepted_length or 1.0, pb.tokens_per_s, pb.draft_ms,
-                   pb.verify_ms, pb.num_target_forwards, pb.seed, pb.drafter, pb.num_failovers, list(pb.failovers))
+                   pb.verify_ms, pb.num_target_forwards, pb.seed, pb.drafter, pb.num_failovers, list(pb.failovers),
+                   [f"{s.stage}: accepted {s.num_accepted_tokens}/{s.num_draft_tokens} in {s.num_rounds} rounds"
+                    + (" (retired)" if s.retired else "") for s in pb.cascade_stages], pb.lossy)
 
     @property
     def acceptance_rate(self) -> float:
@@ -89,8 +93,10 @@ class GenerationStats:
 
     def summary(self) -> str:
         failovers = f"; failovers: {', '.join(self.failovers)}" if self.num_failovers else ""
+        cascade = f"; cascade: {'; '.join(self.cascade)}" if self.cascade else ""
+        lossy = "; LOSSY (opt-in): not exactly the target's output" if self.lossy else ""
         return (f"{self.num_generated_tokens} tokens, {self.tokens_per_s:.1f} tok/s; acceptance {self.acceptance_rate:.0%}, "
-                f"mean accepted length {self.mean_accepted_length:.2f}; drafter {self.drafter or 'none'}{failovers}")
+                f"mean accepted length {self.mean_accepted_length:.2f}; drafter {self.drafter or 'none'}{failovers}{cascade}{lossy}")
 
 
 @dataclass
@@ -153,7 +159,7 @@ class CoordinatorStats:
 def generate_request(prompt: Prompt, *, mode: str = "speculative", drafter: str = "", k: int = 0,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                      max_new_tokens: int = 128, stop: Sequence[str] = (), ignore_eos: bool = False,
-                     request_id: str = "") -> coordinator_pb2.GenerateRequest:
+                     request_id: str = "", cascade: str = "") -> coordinator_pb2.GenerateRequest:
     """The `GenerateRequest` for these arguments; ValueError for a mode or drafter the client does not know."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(m for m in MODES if m)}")
@@ -166,7 +172,7 @@ def generate_request(prompt: Prompt, *, mode: str = "speculative", drafter: str 
     if seed is not None:
         sampling.seed = seed
     request = coordinator_pb2.GenerateRequest(sampling=sampling, mode=MODES[mode], num_draft_tokens=k,
-                                              request_id=request_id, drafter=drafter)
+                                              request_id=request_id, drafter=drafter, cascade=cascade)
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
