@@ -16,7 +16,9 @@ Scenarios, each through the coordinator's Generate stream (client-side wall time
     .venv/bin/python bench/skeleton.py        # ~3 minutes on 2 CPU cores; writes bench/results/skeleton.{json,md}
 
 Services run in this process on a background event loop (the engine on its own thread); medians of
-REPEATS, scenarios interleaved. One machine, one run: the ratios are what this run measured.
+REPEATS, scenarios interleaved. One machine, one run: the ratios are what this run measured. Each SoT
+run also counts the Verify engine's forwards and the sequences in them (its branches' rounds batched
+together, or split into groups), and the load average is recorded (other jobs slow every scenario).
 """
 
 from __future__ import annotations
@@ -90,6 +92,19 @@ def plain_request(messages: list[dict[str, str]], drafter: str, max_new_tokens: 
         sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos))
 
 
+def engine_counts(engine) -> tuple[int, int]:
+    """(forwards, sequences forwarded) of the Verify service's engine so far."""
+    return engine.stats.num_forwards, engine.stats.num_sequences_forwarded
+
+
+async def counted(address: str, request: coordinator_pb2.GenerateRequest, engine) -> dict:
+    """`run`, with the engine's forwards and sequences during it (the only request running)."""
+    before = engine_counts(engine)
+    result = await run(address, request)
+    result["forwards"], result["sequences"] = (a - b for a, b in zip(engine_counts(engine), before))
+    return result
+
+
 def sot_summary(result: dict) -> dict:
     last = result["last"]
     branches = [{"point_id": b.point_id, "title": b.title, "tokens": b.num_tokens, "rounds": b.num_rounds,
@@ -103,6 +118,7 @@ def sot_summary(result: dict) -> dict:
         "mean_accepted_length": last.stats.mean_accepted_length, "estimate": last.skeleton.parallel_speedup_estimate,
         "prefilled_branches": last.skeleton.num_prefilled_branches, "branches": branches,
         "plan": result["texts"].get(0, ""), "direct_reason": last.skeleton.direct_reason,
+        "forwards": result.get("forwards", 0), "sequences": result.get("sequences", 0),
     }
 
 
@@ -130,20 +146,22 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-async def scenarios(address: str) -> dict:
+async def scenarios(address: str, engine) -> dict:
     skeleton = parse_skeleton(PLAN)
     assert isinstance(skeleton, Skeleton)
     runs: dict[str, list[dict]] = {}
+    load = [os.getloadavg()[0]]
     await run(address, sot_request(PLAN, "ngram"))  # warm-up: the grammar compiles, the first forwards settle
     for _ in range(REPEATS):
         for drafter in ("none", "ngram"):
-            sot = await run(address, sot_request(PLAN, drafter))
+            sot = await counted(address, sot_request(PLAN, drafter), engine)
             runs.setdefault(f"sot_{drafter}", []).append(sot_summary(sot))
             runs.setdefault(f"sequential_{drafter}", []).append(await sequential_branches(address, drafter, skeleton, sot))
             num_tokens = sum(sot_summary(sot)["branch_tokens"])
             runs.setdefault(f"plain_{drafter}", []).append(await plain_answer(address, drafter, num_tokens))
-    own = sot_summary(await run(address, sot_request("[PLAN]\n", "ngram")))
-    return {"runs": runs, "own_plan": own}
+        load.append(os.getloadavg()[0])
+    own = sot_summary(await counted(address, sot_request("[PLAN]\n", "ngram"), engine))
+    return {"runs": runs, "own_plan": own, "load_average_1min": load}
 
 
 def render(out: dict) -> str:
@@ -156,7 +174,9 @@ def render(out: dict) -> str:
         f"`.venv/bin/python bench/skeleton.py`: model default (SmolLM2-135M-Instruct, float32), CPU ({out['machine']}, "
         f"{out['cpus']} cores), {out['threads']} torch threads, a Verify service and a Coordinator in one process; greedy; "
         f"question \"{QUESTION}\"; a fixed plan of 4 independent points (forced whole), at most {MAX_NEW_TOKENS} tokens "
-        f"per branch, max_parallel 4; medians of {REPEATS} runs, scenarios interleaved.",
+        f"per branch, max_parallel 4; medians of {REPEATS} runs, scenarios interleaved. Load average (1 min) during "
+        f"the run: {min(out['load_average_1min']):.1f}-{max(out['load_average_1min']):.1f} on {out['cpus']} cores "
+        "(other jobs on the machine slow every scenario).",
         "",
         "## A 4-point answer: branches batched vs the same tokens one after another",
         "",
@@ -185,12 +205,13 @@ def render(out: dict) -> str:
     lines += [f"| {name} | {value:.2f}x |" for name, value in speedups.items()]
     lines += ["", "SoT runs in detail (the first run of each):", "",
               "| SoT run | skeleton ms | skeleton share | branch tokens | branch wall ms | mean accepted length | "
-              "stats' speedup bound | prefilled branches |", "|---|---|---|---|---|---|---|---|"]
+              "stats' speedup bound | prefilled branches | target forwards | sequences per forward |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for label, rs in (("target-only branches", sot_none), ("n-gram branches", sot_ngram), ("model's own plan, n-gram", [out["own_plan"]])):
         r = rs[0]
         lines.append(f"| {label} | {r['skeleton_ms']:.0f} | {r['skeleton_share']:.0%} | {r['branch_tokens']} | "
                      f"{[b['wall_ms'] for b in r['branches']]} | {r['mean_accepted_length']:.2f} | {r['estimate']:.2f}x | "
-                     f"{r['prefilled_branches']} |")
+                     f"{r['prefilled_branches']} | {r['forwards']} | {r['sequences'] / max(1, r['forwards']):.2f} |")
     own = out["own_plan"]
     spread = sot_none[0]["branch_tokens"]
     # a target-only round emits one token per sequence: the plain answer's ms per forward (1 sequence)
@@ -216,13 +237,18 @@ def render(out: dict) -> str:
         "",
         f"Reading: a target-only round cost {plain_round_ms:.0f} ms with one sequence (plain answer, wall per token) and "
         f"{sot_round_ms:.0f} ms in the SoT branch phase (its wall over its longest branch's rounds, 2-4 sequences per "
-        f"forward): batching is not free on 2 CPU cores (and this machine ran other jobs), and the answer's length is "
-        f"set by its longest branch ({max(spread)} of {sum(spread)} tokens), so the ideal gain over the plain answer "
-        f"here is {sum(spread) / max(spread):.2f}x. The fixed plan's skeleton is only its prompt's prefill; a plan the "
-        "model writes adds its tokens as sequential time before any branch starts, and its dependencies "
-        "serialize branches. Sequential branches prefill each point prompt again; SoT forks them from the skeleton "
-        "session and feeds only each prompt's tail. The stats' speedup bound is (skeleton + the sum of the branch "
-        "wall times) / total: an upper bound, above the measured gains.",
+        f"forward): batching is not free on 2 CPU cores, and the answer's length is set by its longest branch "
+        f"({max(spread)} of {sum(spread)} tokens), so the ideal gain over the plain answer here is "
+        f"{sum(spread) / max(spread):.2f}x. The target-only SoT run took {sot_none[0]['forwards']} target forwards "
+        f"for its longest branch's {max(b['rounds'] for b in sot_none[0]['branches'])} rounds, the plan's prefill "
+        "and 4 forks: the branches' rounds leave the coordinator together (a round gate), so each round is one "
+        "forward of every running branch (a round that missed the Verify batcher's 2 ms window would ride in a "
+        "forward of its own). The fixed plan's skeleton is only its prompt's "
+        "prefill; a plan the model writes adds its tokens as sequential time before any branch starts, and its "
+        "dependencies serialize branches. Sequential branches prefill each point prompt again; SoT forks them "
+        "from the skeleton session and feeds only each prompt's tail (4 forks, one forward each, before the "
+        "branches' first round). The stats' speedup bound is (skeleton + the sum of the branch wall times) / "
+        "total: an upper bound, above the measured gains.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -237,7 +263,7 @@ def main() -> int:
         verify = services.start(create_verify(VerifyOptions(model=folder, port=0, dtype="float32")))
         coordinator = services.start(create_coordinator(CoordinatorOptions(
             model=folder, port=0, verify_addresses=f"127.0.0.1:{verify.port}", default_drafter="ngram")))
-        out.update(asyncio.run(scenarios(f"127.0.0.1:{coordinator.port}")))
+        out.update(asyncio.run(scenarios(f"127.0.0.1:{coordinator.port}", verify.servicer.engine)))
     text = render(out)
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)

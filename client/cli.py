@@ -25,6 +25,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from client.branch_view import watch
 from client.coordinator_client import DRAFTERS, MODES, CoordinatorClient, CoordinatorError, Generation, GenerationStats
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -125,12 +126,15 @@ def printer(out=None):
 async def _generate_remote(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     async with make_client(args) as client:
-        result = await client.collect(prompt, on_text=None if args.json else printer(), **sampling_kwargs(args))
+        view = await watch(client.generate(prompt, **sampling_kwargs(args)), None if args.json else sys.stdout)
+    result = view.generation()
     if args.json:
         print(json.dumps({**asdict(result), "stats": asdict(result.stats) if result.stats else None}))
     else:
         print()
         print(stats_line(result), file=sys.stderr)
+        for line in view.summary_lines():
+            print(line, file=sys.stderr)
     if result.error_message:
         return fail(f"the generation failed: {result.error_message}", EXIT_FAILED)
     return EXIT_OK

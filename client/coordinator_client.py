@@ -108,12 +108,19 @@ class Chunk:
     finish_reason: str | None = None  # eos | length | stop | context | cancelled | error, on the last chunk
     stats: GenerationStats | None = None  # on the last chunk
     error_message: str = ""  # set when the coordinator ended this stream with an error
-    branch_id: int = 0  # skeleton mode: which point; -1 = the skeleton / main stream
+    branch_id: int = 0  # skeleton mode: 0 = the plan, i >= 1 = point i; -1 = the main stream (the answer)
+    skeleton: coordinator_pb2.SkeletonStats | None = None  # skeleton mode: on the last chunk
+    mode: str = ""  # on the last chunk: the mode that ran (a MODES key) ...
+    mode_reason: str = ""  # ... and why ("requested", "the coordinator's default", or the router's rule)
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.GenerateResponse) -> Chunk:
+        mode = next((name for name, value in MODES.items() if value == pb.mode_choice.mode and name), "") \
+            if pb.HasField("mode_choice") else ""
         return cls(pb.text, list(pb.token_ids), FINISH_REASONS.get(pb.finish_reason),
-                   GenerationStats.from_pb(pb.stats) if pb.HasField("stats") else None, pb.error_message, pb.branch_id)
+                   GenerationStats.from_pb(pb.stats) if pb.HasField("stats") else None, pb.error_message, pb.branch_id,
+                   pb.skeleton if pb.HasField("skeleton") else None, mode,
+                   pb.mode_choice.reason if pb.HasField("mode_choice") else "")
 
 
 @dataclass
@@ -206,20 +213,26 @@ class CoordinatorClient:
 
     async def collect(self, prompt: Prompt, *, on_text: Callable[[str], object] | None = None,
                       **kwargs: Any) -> Generation:
-        """`generate`, collected: the whole text and tokens, finish reason, stats and client-side
-        timings; `on_text(delta)` sees the text as it streams (a CLI prints it)."""
+        """`generate`, collected: the answer (the main stream, branch -1: in skeleton mode the merged
+        answer, not the plan and the branches as they grew), finish reason, stats and client-side
+        timings; `on_text(delta)` sees the answer's text as it streams (a CLI prints it)."""
         start_s = time.perf_counter()
         texts: list[str] = []
         result = Generation("", [], None, None)
+        first_token = True
         async for chunk in self.generate(prompt, **kwargs):
-            if chunk.token_ids and not result.token_ids:
-                result.time_to_first_token_s = time.perf_counter() - start_s
+            if chunk.token_ids and first_token:  # any branch: when the first tokens came
+                result.time_to_first_token_s, first_token = time.perf_counter() - start_s, False
+            if chunk.error_message:
+                result.error_message = chunk.error_message
+            if chunk.branch_id != -1:
+                continue
             if on_text is not None and chunk.text:
                 on_text(chunk.text)
             texts.append(chunk.text)
             result.token_ids += chunk.token_ids
-            if chunk.finish_reason is not None or chunk.error_message:
-                result.finish_reason, result.error_message = chunk.finish_reason, chunk.error_message
+            if chunk.finish_reason is not None:
+                result.finish_reason = chunk.finish_reason
             result.stats = chunk.stats or result.stats
         result.text = "".join(texts)
         result.latency_s = time.perf_counter() - start_s

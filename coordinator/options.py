@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from servicekit.options import ServerOptions
 
-MODES = ("speculative", "fused", "autoregressive")
+MODES = ("speculative", "fused", "autoregressive", "auto")
 DRAFTERS = ("service", "ngram", "none")
 
 
@@ -17,7 +17,7 @@ class CoordinatorOptions(ServerOptions):
     draft_addresses: str = ""  # Draft service replicas, comma-separated host:port ("" = none: n-gram drafts)
     verify_addresses: str = "127.0.0.1:50052"  # Verify service replicas, comma-separated host:port
     router: str = "jsq2"  # replica choice at session open: round_robin | jsq2 | weighted_jsq (specmesh.routing)
-    default_mode: str = "speculative"  # speculative | fused | autoregressive
+    default_mode: str = "speculative"  # speculative | fused | autoregressive | auto (per question: coordinator/mode_choice.py)
     default_drafter: str = "service"  # speculative / skeleton mode: service (the Draft service) | ngram (in the coordinator) | none
     default_max_new_tokens: int = 256
     q_dtype: str = "float32"  # how draft distributions travel: float32 | float16 | bfloat16

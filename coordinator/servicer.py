@@ -17,6 +17,7 @@ import grpc
 
 from coordinator.cascade import NO_CASCADE, CascadeStages, NamedCascade, cascade_stats_pb
 from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier
+from coordinator.mode_choice import ModeChoice, choose_mode, request_question
 from coordinator.options import DRAFTERS, CoordinatorOptions
 from coordinator.pools import ServicePool
 from coordinator.skeleton import Links, SkeletonAnswer, SkeletonRequest
@@ -36,13 +37,6 @@ from specmesh.routing.replica import NoHealthyReplica
 from specmesh.skeleton.automaton import SkeletonFormat
 
 READ_AHEAD_RESPONSES = 8  # rounds a stream may run ahead of a slow client before it waits
-MODES = {
-    coordinator_pb2.GENERATION_MODE_UNSPECIFIED: None,
-    coordinator_pb2.GENERATION_MODE_SPECULATIVE: "speculative",
-    coordinator_pb2.GENERATION_MODE_FUSED: "fused",
-    coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE: "autoregressive",
-    coordinator_pb2.GENERATION_MODE_SKELETON: "skeleton",
-}
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -101,14 +95,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise ValueError("a GenerateRequest needs a prompt or chat messages")
         return validate_prompt(ids, self.info.max_context, self.info.vocab_size)
 
-    def _mode_and_drafter(self, request: coordinator_pb2.GenerateRequest) -> tuple[str, str]:
-        if request.mode not in MODES:
-            raise ValueError(f"unknown generation mode {request.mode}")
-        mode = MODES[request.mode] or self.options.default_mode
+    def _mode_and_drafter(self, request: coordinator_pb2.GenerateRequest) -> tuple[ModeChoice, str]:
+        choice = choose_mode(request, self.options.default_mode, request_question(request),
+                             skeleton_ok=self.decoder_prompt_ids is None)  # an encoder-decoder target runs no SoT
         drafter = request.drafter or self.options.default_drafter
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
-        return mode, drafter
+        return choice, drafter
 
     def _calls(self, context) -> Calls:
         remaining = context.time_remaining() if context is not None else None
@@ -118,7 +111,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     @rpc_method
     async def Generate(self, request: coordinator_pb2.GenerateRequest, context):
-        mode, drafter_kind = self._mode_and_drafter(request)
+        choice, drafter_kind = self._mode_and_drafter(request)
+        mode = choice.mode
         prompt_ids = self._prompt_ids(request)
         encoder_ids = self._encoder_input_ids(request) if self.decoder_prompt_ids is not None else []
         if encoder_ids and (mode == "skeleton" or request.cascade not in ("", NO_CASCADE)):
@@ -127,7 +121,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         params = sampling_from_pb(request.sampling, self.info.vocab_size, self.options.default_max_new_tokens)
         calls, failovers = self._calls(context), Failovers()
         if mode == "skeleton":
-            source = self._skeleton(request, prompt_ids, params, calls, failovers, drafter_kind)
+            source = self._skeleton(request, prompt_ids, params, calls, failovers, drafter_kind, choice.reason)
         else:
             source = self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers, encoder_ids)
         responses = read_ahead(source, READ_AHEAD_RESPONSES)  # the next round runs while this one is written
@@ -137,6 +131,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         try:
             async for response in responses:
                 finished = response.branch_id == -1 and response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                if finished:
+                    response.mode_choice.CopyFrom(coordinator_pb2.ModeChoice(mode=choice.pb_mode, reason=choice.reason,
+                                                                             routed=choice.routed))
                 yield response
         except NoHealthyReplica as exc:
             raise Unavailable(f"no healthy replica: {exc}") from exc
@@ -181,11 +178,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             await stream.aclose()
 
     def _skeleton(self, request: coordinator_pb2.GenerateRequest, prompt_ids: list[int], params: SamplingParams, calls: Calls,
-                  failovers: Failovers, drafter_kind: str) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
+                  failovers: Failovers, drafter_kind: str, route_reason: str) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """Skeleton-of-Thought (`coordinator.skeleton`) for this request."""
-        which = request.WhichOneof("input")
-        question = request.prompt if which == "prompt" else next(
-            (m.content for m in reversed(request.chat.messages) if m.role == "user"), request.chat.messages[-1].content)
+        question = request_question(request)
         max_parallel = request.max_parallel or self.options.skeleton_max_parallel
         links = Links(self.verify, self.draft, self.info, calls, failovers,
                       drafter_kind="service" if drafter_kind == "service" and self.draft else drafter_kind, q_dtype=self.q_dtype,
@@ -198,7 +193,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return pb
 
         answer = SkeletonAnswer(SkeletonRequest(question, prompt_ids, params, SkeletonFormat(self.options.skeleton_max_points),
-                                                max_parallel, request.skeleton_prefix, list(request.documents)),
+                                                max_parallel, request.skeleton_prefix, list(request.documents), route_reason),
                                 self.tokenizer, links, final_stats)
         return answer.responses()
 

@@ -1,8 +1,8 @@
 """Skeleton-of-Thought in the Coordinator: plan, fan out, merge, over the Verify (and Draft) services.
 
-One request (GENERATION_MODE_SKELETON), as data:
+One request (GENERATION_MODE_SKELETON, or chosen by `coordinator.mode_choice`), as data:
 
-    route(question, "skeleton")                       the request's mode forces SoT ("requested")
+    route_reason                                      why SoT runs ("requested", or the router's rule)
     skeleton: Verify.OpenSession(skeleton prompt [+ forced prefix], SkeletonConstraint)
               decoded by the one speculation state (`speculative_stream_async`) with the request's
               drafter; the service masks every target row with the plan grammar, so the plan is
@@ -15,8 +15,11 @@ One request (GENERATION_MODE_SKELETON), as data:
               starts with the skeleton session's tokens: Verify.Fork(skeleton session,
               num_prefix_tokens = the tokens they share, append_token_ids = the rest), so the prompt
               is never prefilled again; then the one speculation state over the child session, as
-              an asyncio task beside its siblings, so their Verify rounds meet in the batcher.
-              Streamed as branch i (first message: the point's header line).
+              an asyncio task beside its siblings. A `RoundGate` sends the siblings' Verify calls
+              together each round, so they meet in one forward of the batcher instead of drifting
+              into groups whose forwards alternate. Streamed as branch i (first message: the
+              point's header line). Once every point has started and forked, the skeleton
+              session is closed (it only held KV, and counted as a session the batcher waits for).
     merge:    one -1 message: the merged answer, the stats of every round, `SkeletonStats`.
 
 Layout: one sequence per branch ("batching"). The in-one-sequence layout (branches side by side in
@@ -46,16 +49,18 @@ from servicekit.convert import FINISH_TO_PB, sampling_to_pb, stats_to_pb
 from servicekit.remote import RemoteVerifier
 from specmesh.decoding.adaptive import KPolicy
 from specmesh.decoding.async_driver import TargetInfo, speculative_stream_async
+from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import MAX_SEED, SamplingParams
 from specmesh.decoding.state import FinishReason
 from specmesh.decoding.stats import SpecStats
+from specmesh.decoding.types import VerifyOutcome
 from specmesh.models.chat import chat_messages_ids
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, verify_pb2
 from specmesh.skeleton.automaton import SkeletonFormat, build_skeleton_automaton
 from specmesh.skeleton.merge import merge, section_header
 from specmesh.skeleton.parse import parse_skeleton
 from specmesh.skeleton.prompts import common_prefix_length, point_messages, skeleton_messages
-from specmesh.skeleton.router import route
+from specmesh.skeleton.rounds import RoundGate
 from specmesh.skeleton.schedule import BranchScheduler, Launch
 from specmesh.skeleton.tools import PassageIndex, passages_for
 from specmesh.skeleton.types import Direct, Skeleton
@@ -63,6 +68,7 @@ from specmesh.skeleton.types import Direct, Skeleton
 MAIN_BRANCH = -1  # the answer: the merged text, or a direct answer
 SKELETON_BRANCH = 0  # the plan; points are 1-based
 FINISH_PRIORITY = (FinishReason.CONTEXT, FinishReason.LENGTH, FinishReason.STOP, FinishReason.EOS)
+ROUND_GATE_MAX_WAIT_S = 1.0  # the longest a round waits for its siblings (a stall; forks and forwards take less)
 
 
 @functools.lru_cache(maxsize=16)
@@ -150,15 +156,32 @@ class PlanVerifier(FailoverVerifier):
 
 class BranchVerifier(FailoverVerifier):
     """A branch's Verify session: `open` forks the skeleton session (sharing `num_shared` tokens, the
-    rest of the prompt appended); without a skeleton session to fork, a plain open (a prefill)."""
+    rest of the prompt appended); without a skeleton session to fork, a plain open (a prefill).
+    Each round waits at `gate` for the siblings' (joined as `member` at launch; `leave` at the end)."""
 
-    def __init__(self, links: Links, parent: VerifyHandle | None, num_shared: int):
+    def __init__(self, links: Links, parent: VerifyHandle | None, num_shared: int, gate: RoundGate, member: int):
         super().__init__(links.verify, links.info, links.calls, links.failovers, sparse_q=links.sparse_q)
         self.parent = parent
         self.num_shared = num_shared
         self.prefilled = False
+        self.opened = False  # the open (fork or prefill) is over, however it went
+        self.gate, self.member = gate, member
+        gate.join(member)
+
+    def leave(self) -> None:
+        self.gate.leave(self.member)
+
+    async def verify(self, handle: VerifyHandle, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
+        await self.gate.arrive(self.member)
+        return await super().verify(handle, proposal)
 
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[VerifyHandle, int]:
+        try:
+            return await self._fork_or_prefill(prompt_ids, params)
+        finally:
+            self.opened = True
+
+    async def _fork_or_prefill(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[VerifyHandle, int]:
         parent = self.parent
         if parent is None or not 0 < self.num_shared < len(prompt_ids):
             self.prefilled = True
@@ -213,6 +236,7 @@ class SkeletonRequest:
     max_parallel: int
     prefix: str = ""  # forced start of the plan
     documents: list[str] = field(default_factory=list)
+    route_reason: str = "requested"  # why SoT runs (`coordinator.mode_choice`), reported in SkeletonStats
 
 
 class SkeletonAnswer:
@@ -238,7 +262,7 @@ class SkeletonAnswer:
 
     async def responses(self) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         request = self.request
-        self.summary.route_reason = route(request.question, "skeleton").reason
+        self.summary.route_reason = request.route_reason
         prefix_ids = list(self.tokenizer.encode(request.prefix, add_special_tokens=False)) if request.prefix else []
         prompt = chat_messages_ids(self.tokenizer, skeleton_messages(request.question, request.fmt)) + prefix_ids
         plan_verifier = PlanVerifier(self.links, request.fmt, len(prefix_ids))
@@ -315,6 +339,8 @@ class SkeletonAnswer:
         scheduler = BranchScheduler(skeleton.points, request.max_parallel)
         queue: asyncio.Queue[coordinator_pb2.GenerateResponse | BranchEnd] = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
+        gate = RoundGate(ROUND_GATE_MAX_WAIT_S)
+        verifiers: list[BranchVerifier] = []
 
         async def start(launches: list[Launch]) -> None:
             for launch in launches:
@@ -322,16 +348,18 @@ class SkeletonAnswer:
                 messages = point_messages(request.question, skeleton_text, launch.point, launch.dependencies, passages,
                                           request.fmt)
                 ids, num_shared = branch_prompt(self.tokenizer, plan_verifier.session_ids, messages)
-                task = asyncio.get_running_loop().create_task(
-                    self._branch(launch, ids, BranchVerifier(self.links, plan_verifier.handle, num_shared), queue))
+                verifiers.append(BranchVerifier(self.links, plan_verifier.handle, num_shared, gate, launch.point.id))
+                task = asyncio.get_running_loop().create_task(self._branch(launch, ids, verifiers[-1], queue))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
 
         first_start_ms = self._ms()
-        try:  # the skeleton session stays open until the end: a dependent point forks from it late
+        try:  # the skeleton session stays open while a point may still fork from it
             await start(scheduler.admit())
             while not scheduler.done:
                 item = await queue.get()
+                if plan_verifier.handle is not None and not scheduler.waiting and all(v.opened for v in verifiers):
+                    await plan_verifier.release()
                 if isinstance(item, BranchEnd):
                     record = self.branches[item.point_id]
                     record.end_ms, record.text, record.error = self._ms(), item.text, item.error
@@ -366,6 +394,7 @@ class SkeletonAnswer:
                 response = coordinator_pb2.GenerateResponse(text=event.text, token_ids=event.token_ids, branch_id=point.id)
                 if event.finish_reason is not None:
                     assert event.stats is not None
+                    verifier.leave()  # no more rounds: the siblings stop waiting for this branch
                     record.stats, record.finish = event.stats, event.finish_reason
                     response.finish_reason = FINISH_TO_PB[event.finish_reason]
                     response.stats.CopyFrom(stats_to_pb(event.stats))
@@ -379,6 +408,7 @@ class SkeletonAnswer:
             await queue.put(BranchEnd(point.id, error=error))
             return
         finally:
+            verifier.leave()
             await stream.aclose()
             if verifier.prefilled:
                 self.summary.num_prefilled_branches += 1

@@ -8,6 +8,7 @@ One concept per file; none of them touches a model, a session or a socket (the c
 - grammar.py   the DFA over a vocabulary: exact allowed-token masks per state, applied to p and q
 - parse.py     skeleton text -> Skeleton(points) or Direct(text, reason)
 - schedule.py  which points start when (LPT, max_parallel, dependencies), events in, launches out
+- rounds.py    a gate that sends sibling branches' verify rounds together (one target forward per round)
 - tools.py     <Search>: BM25 passages from the request's documents
 - merge.py     the answer: points in plan order, title + text, markers stripped
 

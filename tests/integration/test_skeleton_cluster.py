@@ -357,3 +357,45 @@ def test_a_cancelled_answer_closes_every_session(cluster):
 
     assert _run(main()) >= 3  # the branches' sessions (and the plan's) were open when the client left
     _assert_sessions_closed(cluster)
+
+
+@pytest.mark.parametrize("drafter", ["none", "service"])
+def test_independent_branches_verify_together_and_release_the_plan_session(cluster, tokenizer, engine, drafter):
+    """Three independent points: the branches' rounds leave together (RoundGate), so target only,
+    after the forks every round is one forward of all three; once all three have forked the plan's
+    session is closed (nothing forks from it any more). The branches stay exact (Draft service
+    drafts too)."""
+    plan = "[PLAN]\n1.<8><None>[-]Sleep\n2.<8><None>[-]Food\n3.<8><None>[-]Move\n[END]"
+    max_new_tokens = 10
+    request = _request(plan, max_new_tokens=max_new_tokens, ignore_eos=True)
+    request.drafter = drafter
+    servicer = cluster.verify[0].servicer
+    verify_engine = servicer.engine
+
+    async def main() -> tuple[list[coordinator_pb2.GenerateResponse], list[int]]:
+        async with channel(cluster.address) as ch:
+            responses, sessions_while_all_run = [], []
+            async for response in coordinator_pb2_grpc.CoordinatorServiceStub(ch).Generate(request, timeout=TIMEOUT_S):
+                responses.append(response)
+                counts = {b: len([t for r in responses if r.branch_id == b for t in r.token_ids]) for b in (1, 2, 3)}
+                if all(1 <= n < max_new_tokens for n in counts.values()):
+                    sessions_while_all_run.append(servicer.num_sessions)
+            return responses, sessions_while_all_run
+
+    before = (verify_engine.stats.num_forwards, verify_engine.stats.num_sequences_forwarded)
+    responses, sessions_while_all_run = _run(main())
+    forwards, sequences = (a - b for a, b in zip((verify_engine.stats.num_forwards,
+                                                  verify_engine.stats.num_sequences_forwarded), before))
+    branches = _by_branch(responses)
+    skeleton = parse_skeleton(plan)
+    assert isinstance(skeleton, Skeleton)
+    for point in skeleton.points:
+        prompt = chat_messages_ids(tokenizer, point_messages(QUESTION, plan, point, (), (), FORMAT))
+        expected = generate(TargetVerifier(engine), None, prompt,
+                            SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)).token_ids
+        assert [t for r in branches[point.id] for t in r.token_ids] == expected, f"point {point.id}"
+    if drafter == "none":  # each branch: its fork gives token 1, then 9 rounds; 9 forwards of 3 sequences
+        # add 2 * 9 = 18 sequences over the forwards (allow one round that split)
+        assert sequences - forwards >= 2 * (max_new_tokens - 1) - 2, f"{sequences} sequences in {forwards} forwards"
+    assert sessions_while_all_run and sessions_while_all_run[-1] == 3, sessions_while_all_run
+    _assert_sessions_closed(cluster)

@@ -197,6 +197,7 @@ class GenerateResponse(_message.Message):
     STATS_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
     SKELETON_FIELD_NUMBER: _builtins.int
+    MODE_CHOICE_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """new text since the previous message of this branch"""
     branch_id: _builtins.int
@@ -219,6 +220,10 @@ class GenerateResponse(_message.Message):
     def skeleton(self) -> Global___SkeletonStats:
         """skeleton mode: on the last message of the stream"""
 
+    @_builtins.property
+    def mode_choice(self) -> Global___ModeChoice:
+        """on the last message of the stream: which mode ran and why"""
+
     def __init__(
         self,
         *,
@@ -229,14 +234,45 @@ class GenerateResponse(_message.Message):
         stats: _common_pb2.SpeculationStats | None = ...,
         error_message: _builtins.str = ...,
         skeleton: Global___SkeletonStats | None = ...,
+        mode_choice: Global___ModeChoice | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["skeleton", b"skeleton", "stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["mode_choice", b"mode_choice", "skeleton", b"skeleton", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["branch_id", b"branch_id", "error_message", b"error_message", "finish_reason", b"finish_reason", "skeleton", b"skeleton", "stats", b"stats", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["branch_id", b"branch_id", "error_message", b"error_message", "finish_reason", b"finish_reason", "mode_choice", b"mode_choice", "skeleton", b"skeleton", "stats", b"stats", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class ModeChoice(_message.Message):
+    """The mode a request ran in, and why (a coordinator with default_mode "auto" routes per question)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    ROUTED_FIELD_NUMBER: _builtins.int
+    mode: Global___GenerationMode.ValueType
+    """the mode that ran"""
+    reason: _builtins.str
+    """"requested", "the coordinator's default", or the router's rule"""
+    routed: _builtins.bool
+    """the router chose (no mode in the request, default_mode "auto")"""
+    def __init__(
+        self,
+        *,
+        mode: Global___GenerationMode.ValueType = ...,
+        reason: _builtins.str = ...,
+        routed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "reason", b"reason", "routed", b"routed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModeChoice: _TypeAlias = ModeChoice  # noqa: Y015
 
 @_typing.final
 class SkeletonStats(_message.Message):
