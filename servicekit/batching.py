@@ -6,8 +6,9 @@
 `run_batch(payloads) -> results` runs on the engine thread and returns one result per payload, in
 order; a result that is an Exception is raised in that caller only. Batches are taken first in, first
 out, up to `max_batch_cost` (at least one call per batch, however costly), so no caller starves.
-With `expected_callers` (e.g. the open sessions), the window is skipped once that many calls are
-queued: a lone session never waits for company that cannot come.
+With `expected_callers` (e.g. the open sessions), the window ends as soon as that many calls are
+queued: a lone session never waits for company that cannot come, and the last of several sessions
+to arrive starts the batch at once.
 While the engine runs one batch, new calls queue up and ride in the next (continuous batching). A
 caller cancelled while waiting is skipped; one cancelled during its batch gets no result.
 """
@@ -44,6 +45,7 @@ class WindowBatcher:
         self.expected_callers = expected_callers
         self._queue: deque[tuple[Any, asyncio.Future]] = deque()
         self._wakeup: asyncio.Event | None = None
+        self._all_queued: asyncio.Event | None = None  # set while a window is open and every expected caller is in
         self._task: asyncio.Task | None = None
 
     async def submit(self, payload: Any) -> Any:
@@ -55,6 +57,8 @@ class WindowBatcher:
         self._queue.append((payload, future))
         self._report_depth()
         self._wakeup.set()
+        if self._all_queued is not None and self._all_expected_queued():
+            self._all_queued.set()
         return await future
 
     async def close(self) -> None:
@@ -69,6 +73,16 @@ class WindowBatcher:
             _, future = self._queue.popleft()
             if not future.done():
                 future.set_exception(RuntimeError("the service is shutting down"))
+
+    async def _window(self) -> None:
+        """Wait `window_ms`, or less: until every expected caller is queued."""
+        self._all_queued = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._all_queued.wait(), self.window_ms / 1e3)
+        except TimeoutError:
+            pass
+        finally:
+            self._all_queued = None
 
     def _all_expected_queued(self) -> bool:
         return self.expected_callers is not None and len(self._queue) >= self.expected_callers()
@@ -98,7 +112,7 @@ class WindowBatcher:
             self._wakeup.clear()
             while self._queue:
                 if self.window_ms > 0 and not self._all_expected_queued():
-                    await asyncio.sleep(self.window_ms / 1e3)
+                    await self._window()
                 batch = self._take()
                 if not batch:
                     continue
