@@ -22,19 +22,31 @@ Coordinator dial an address of its choosing) with its own extend / draft if give
 
 A Stage replica that fails mid-request (UNAVAILABLE, DEADLINE_EXCEEDED, ...: `replica_failed`) is
 dropped for the rest of that request and the failover is reported; the output stays exact.
+
+Adaptive (lossy, opt-in; `specmesh.cascade.chunk_stopping`): with a predictor configured
+(`load_stopper`), a request's lambda (`check_cascade_lambda`; unset = the service's default, which
+`set_default_lambda` changes at run time; inf = lossless) lets the cascade stop below the target on a
+chunk; the driver then commits the chunk without verification and the Verify service takes it as
+forced tokens with the next round. A finite lambda needs the configured stages (the predictor was
+trained for them); `adaptive_stats` says what happened (lossy, chunks stopped per stage, agreement).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from coordinator.driver import Calls, Failovers, replica_failed
 from servicekit.remote_stage import RemoteStage, StageInfo
+from specmesh.cascade.costs import chunk_costs_from_forward_costs
 from specmesh.cascade.pipeline import AsyncCascadeDrafter
 from specmesh.cascade.plan import StageSpec
+from specmesh.cascade.policy import AdaptiveStopper
+from specmesh.cascade.predictor import AgreementPredictor
 from specmesh.decoding.async_driver import AsyncDrafter
 from specmesh.proto.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 
@@ -93,6 +105,43 @@ def request_stages(request_text: str, configured: Sequence[StageEntry]) -> list[
     return entries
 
 
+def check_cascade_lambda(value: float | None) -> float | None:
+    """A request's lambda (None: the service's default), or ValueError: >= 0, inf = lossless.
+
+    >>> check_cascade_lambda(None), check_cascade_lambda(2.5), check_cascade_lambda(float("inf"))
+    (None, 2.5, inf)
+    """
+    if value is not None and (math.isnan(value) or value < 0):
+        raise ValueError(f"cascade_lambda must be >= 0 (inf = lossless), got {value}")
+    return value
+
+
+def load_stopper(predictor_path: str | Path, configured: Sequence[StageEntry], default_lambda: float = math.inf) -> AdaptiveStopper:
+    """The adaptive stopper for the configured stages: the predictor file's measured per-forward costs
+    (`specmesh cascade collect`) times each stage's extension, the target's forward = 1. The file's stage
+    fingerprints are not checked here (the Stage services do not report weight fingerprints): it must be
+    trained for the configured stages, in order."""
+    predictor = AgreementPredictor.load(predictor_path)
+    costs = predictor.info.stage_forward_costs
+    if not costs:
+        raise ValueError(f"{predictor_path}: the predictor records no measured stage costs (collect it again)")
+    stage_costs = chunk_costs_from_forward_costs(costs, [entry.spec.num_extend_tokens for entry in configured])
+    lam = check_cascade_lambda(default_lambda)
+    assert lam is not None
+    return AdaptiveStopper(predictor, stage_costs, lam)
+
+
+def adaptive_stats(cascade: AsyncCascadeDrafter) -> dict:
+    """What the adaptive cascade did in the request it opened last: lossy, chunks stopped at each stage
+    and at the target, and the agreement measured on the chunks that went on (per stage)."""
+    state = cascade.last_state
+    if state is None:
+        return {"lossy": False, "chunks_stopped": [], "chunks_to_target": 0, "agreement": []}
+    return {"lossy": state.lossy, "chunks_stopped": [s.num_chunks_stopped for s in state.stage_stats],
+            "chunks_to_target": state.num_chunks_to_target,
+            "agreement": [(s.num_chunks_agreed, s.num_chunks_judged) for s in state.stage_stats]}
+
+
 class NamedCascade(AsyncCascadeDrafter):
     """The cascade of one request, with its stages' addresses (for the stats)."""
 
@@ -116,23 +165,53 @@ class CascadeStages:
     """The configured Stage services: one channel per address (opened once) and each one's model info
     (asked once, on first use)."""
 
-    def __init__(self, configured: Sequence[StageEntry] = (), open_channel: Callable[[str], grpc.aio.Channel] | None = None):
+    def __init__(self, configured: Sequence[StageEntry] = (), open_channel: Callable[[str], grpc.aio.Channel] | None = None,
+                 stopper: AdaptiveStopper | None = None):
         self.configured = list(configured)
         if self.configured and open_channel is None:
             raise ValueError("configured cascade stages need a way to open channels")
+        if stopper is not None and stopper.num_stages != len(self.configured) + 1:
+            raise ValueError(f"the adaptive predictor is for {stopper.num_stages - 1} stages; {len(self.configured)} are configured")
+        self.stopper = stopper  # adaptive cascades (None: lossless only); shared by every request, so it learns
+        self.default_lambda = stopper.lam if stopper is not None else math.inf
         self._channels = {entry.address: open_channel(entry.address) for entry in self.configured} if open_channel else {}
         self._info: dict[str, StageInfo] = {}
 
     def __bool__(self) -> bool:
         return bool(self.configured)
 
+    def set_default_lambda(self, value: float) -> None:
+        """The lambda of requests that give none, from now on (a service RPC's handler calls this)."""
+        lam = check_cascade_lambda(value)
+        assert lam is not None
+        if not math.isinf(lam) and self.stopper is None:
+            raise ValueError("no adaptive predictor is configured: only lambda = inf (lossless) is served")
+        self.default_lambda = lam
+
+    def request_lambda(self, value: float | None, entries: Sequence[StageEntry]) -> float:
+        """The lambda one request runs with; ValueError when a finite one cannot be served."""
+        lam = self.default_lambda if check_cascade_lambda(value) is None else value
+        assert lam is not None
+        if not math.isinf(lam):
+            if self.stopper is None:
+                raise ValueError("cascade_lambda: no adaptive predictor is configured (lossless cascades only)")
+            if [e.address for e in entries] != [e.address for e in self.configured] or \
+                    [e.spec for e in entries] != [e.spec for e in self.configured]:
+                raise ValueError("cascade_lambda: the adaptive cascade runs on the configured stages only "
+                                 "(its predictor was trained for them)")
+        return lam
+
     async def wrap(self, base: AsyncDrafter | None, request_text: str, calls: Calls, failovers: Failovers,
-                   vocab_size: int, *, sparse_q: bool = False) -> AsyncDrafter | None:
-        """The request's drafter: `base` when the request uses no stages, else the cascade over it.
-        ValueError for a bad request spec or a stage whose vocabulary is not the target's."""
+                   vocab_size: int, *, sparse_q: bool = False, cascade_lambda: float | None = None) -> AsyncDrafter | None:
+        """The request's drafter: `base` when the request uses no stages, else the cascade over it
+        (adaptive when `cascade_lambda`, or the default, is finite). ValueError for a bad request spec,
+        a lambda that cannot be served, or a stage whose vocabulary is not the target's."""
         entries = request_stages(request_text, self.configured)
         if not entries:
+            if cascade_lambda is not None and not math.isinf(cascade_lambda):
+                raise ValueError("cascade_lambda needs a cascade (this request uses no stages)")
             return base
+        lam = self.request_lambda(cascade_lambda, entries)
         stages = []
         for entry in entries:
             stub = stage_pb2_grpc.StageServiceStub(self._channels[entry.address])
@@ -149,8 +228,9 @@ class CascadeStages:
             failovers.add(f"stage {entries[index].address} -> skipped")
             return True
 
+        stopper = self.stopper if not math.isinf(lam) else None  # inf: exactly the lossless cascade
         return NamedCascade([entry.address for entry in entries], base, stages, [entry.spec for entry in entries],
-                            is_stage_failure=stage_failed)
+                            is_stage_failure=stage_failed, stopper=stopper, lam=lam if stopper is not None else None)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -75,6 +75,7 @@ class RemoteVerifier:
         self.counters = counters or WireCounters()
         self._info = info  # known already (saves a GetInfo), or asked on first use
         self._rounds: dict[str, int] = {}  # session -> rounds done
+        self._forced: dict[str, list[int]] = {}  # session -> committed tokens its next Verify carries (lossy mode)
 
     async def info(self) -> TargetInfo:
         if self._info is None:
@@ -88,9 +89,17 @@ class RemoteVerifier:
             timeout=self.timeout_s, metadata=self.metadata)
         return response.session_id, response.first_token_id
 
+    async def commit(self, session_id: str, token_ids: Sequence[int]) -> None:
+        """Lossy, opt-in: tokens the caller emitted without verification (an adaptive cascade's early
+        stop); the session's next Verify carries them as forced_token_ids (no RPC of their own)."""
+        self._forced.setdefault(session_id, []).extend(int(t) for t in token_ids)
+
     async def verify(self, session_id: str, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
+        if proposal.unverified:
+            raise ValueError("an unverified chunk is committed (commit), never verified")
         request = verify_pb2.VerifyRequest(session_id=session_id, draft_token_ids=proposal.token_ids,
-                                           deterministic_draft=proposal.q is None, round_index=self._rounds.get(session_id, 0))
+                                           deterministic_draft=proposal.q is None, round_index=self._rounds.get(session_id, 0),
+                                           forced_token_ids=self._forced.pop(session_id, []))
         if proposal.parents is not None:
             request.tree_parents.extend(proposal.parents)
         if proposal.q is not None and proposal.num_tokens:
@@ -115,6 +124,7 @@ class RemoteVerifier:
 
     async def close(self, session_id: str) -> None:
         self._rounds.pop(session_id, None)
+        self._forced.pop(session_id, None)
         await _close_quietly(self.stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id),
                                                     timeout=self.timeout_s, metadata=self.metadata))
 

@@ -143,21 +143,48 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         if session.round.finish_reason is not None:
             raise FailedPrecondition(f"the session has finished ({session.round.finish_reason.value}); close it")
 
-    def _prepare(self, session: VerifySession, proposal: DraftProposal, deterministic: bool) -> tuple[DraftProposal, list[int]]:
+    def _prepare(self, session: VerifySession, proposal: DraftProposal, deterministic: bool,
+                 forced: Sequence[int] = ()) -> tuple[DraftProposal, list[int], list[int]]:
         """Validate a round against the session before anything runs; cap the draft at what
-        max_new_tokens and the context leave (the proposal and the kept tokens' indices)."""
+        max_new_tokens and the context leave after the forced tokens (the proposal, the kept tokens'
+        indices, the forced tokens)."""
         self._check_open(session)
         if proposal.num_tokens > self.options.max_draft_tokens:
             raise ValueError(f"{proposal.num_tokens} draft tokens exceed this service's limit of {self.options.max_draft_tokens}")
         check_draft_has_q(proposal.num_tokens, proposal.q is not None, deterministic, session.target.params)
-        capped, kept = proposal.capped(session.round.max_draft_tokens)
-        self.check_kv_quota(1 + capped.num_tokens)
-        return capped, kept
+        forced = list(forced)
+        if forced:
+            self._check_forced(session, forced)
+        capped, kept = proposal.capped(session.round.max_draft_tokens - len(forced))
+        self.check_kv_quota(1 + len(forced) + capped.num_tokens)
+        return capped, kept, forced
+
+    @staticmethod
+    def _check_forced(session: VerifySession, forced: list[int]) -> None:
+        """Forced tokens (lossy, opt-in) must leave the session open: the caller emitted them and goes on."""
+        if session.target.constraint is not None:
+            raise ValueError("forced_token_ids: a constrained (skeleton) session takes no unverified tokens")
+        if len(forced) > session.round.max_draft_tokens or len(forced) >= session.round.context_left:
+            raise ValueError(f"forced_token_ids: {len(forced)} tokens exceed what this round may add "
+                             f"({session.round.max_draft_tokens}, with room for the target's own token)")
+        stops = [t for t in forced if t in session.round.stop_token_ids]
+        if stops:
+            raise ValueError(f"forced_token_ids: stop token {stops[0]} would end the session; the caller knows it has ended")
 
     async def _apply(self, session_id: str, session: VerifySession, proposal: DraftProposal, kept: list[int],
-                     draft_ms: float = 0.0) -> verify_pb2.VerifyResponse:
-        """One prepared round through the batcher, recorded in the session's state."""
-        result: VerifyResult = await self.batcher.verify(session.target, proposal)
+                     forced: Sequence[int] = (), draft_ms: float = 0.0) -> verify_pb2.VerifyResponse:
+        """One prepared round through the batcher, recorded in the session's state; forced tokens are
+        appended first (fed by this round's forward), and taken back if the round fails."""
+        num_tokens_before = session.target.num_tokens
+        self.verifier.append_unverified(session.target, forced)
+        try:
+            result: VerifyResult = await self.batcher.verify(session.target, proposal)
+        except BaseException:
+            if forced and session.target.num_tokens == num_tokens_before + len(forced):
+                del session.target.token_ids[num_tokens_before:]
+            raise
+        if forced:
+            session.round.record_unverified(forced)
         outcome = result.outcome
         event = session.round.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, result.verify_ms,
                                      result.cost)
@@ -203,11 +230,13 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     @rpc_method
     async def Verify(self, request: verify_pb2.VerifyRequest, context) -> verify_pb2.VerifyResponse:
         proposal = proposal_from_pb(request, self.vocab_size)
+        forced = token_ids_from_pb(request.forced_token_ids, self.vocab_size, "forced_token_ids")
         async with self.session_call(request.session_id) as session:
             replay = session.rounds.replay(request)
             if replay is not None:
                 return replay
-            response = await self._apply(request.session_id, session, *self._prepare(session, proposal, request.deterministic_draft))
+            response = await self._apply(request.session_id, session,
+                                         *self._prepare(session, proposal, request.deterministic_draft, forced))
             session.rounds.remember(request, response)
             return response
 
@@ -221,7 +250,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         proposals = [proposal_from_pb(r, self.vocab_size) for r in request.requests]
         async with self.session_calls(ids) as sessions:
             replays = [s.rounds.replay(r) for s, r in zip(sessions, request.requests)]
-            prepared = {i: self._prepare(s, p, r.deterministic_draft)
+            prepared = {i: self._prepare(s, p, r.deterministic_draft,
+                                         token_ids_from_pb(r.forced_token_ids, self.vocab_size, "forced_token_ids"))
                         for i, (s, p, r, replay) in enumerate(zip(sessions, proposals, request.requests, replays)) if replay is None}
             applied = await asyncio.gather(*(self._apply(ids[i], sessions[i], *prepared[i]) for i in prepared),
                                            return_exceptions=True)

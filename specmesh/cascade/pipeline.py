@@ -11,6 +11,13 @@ as an `AsyncDrafter` over an async base drafter and `AsyncStage`s (a Stage servi
 q goes up and how the base drafter is told what the target confirmed is `specmesh.cascade.plan`; the
 two classes here only make the calls.
 
+Adaptive (lossy, opt-in): given an `AdaptiveStopper`, both decide after each stage whether to stop
+there (`specmesh.cascade.chunk_stopping`); a stopped chunk comes back as an `unverified` proposal,
+which the driver commits without the target's verification. lam = inf (the default when no lambda
+is given and the stopper's own is inf) gives exactly the lossless pipeline's tokens.
+
+    drafter = CascadeDrafter(None, [StageModel(int8_engine)], [StageSpec(4)], stopper=stopper, lam=2.0)
+
 Randomness: each stage draws from its own generator, seeded with `stage_seed(request seed, i)`;
 in-process the request's seed is read back from the draft generator (seeded with `draft_seed` of it),
 so a seeded run gives the same tokens in-process and over the wire.
@@ -26,7 +33,9 @@ from typing import Any, Protocol
 
 import torch
 
-from specmesh.cascade.plan import CascadeBook, StageSpec, StageStats, stage_seed
+from specmesh.cascade.chunk_stopping import ChunkStopping
+from specmesh.cascade.plan import CascadeBook, StageCall, StageSpec, StageStats, stage_seed
+from specmesh.cascade.policy import AdaptiveStopper
 from specmesh.cascade.stage_model import StageOutput
 from specmesh.decoding.async_driver import AsyncDrafter
 from specmesh.decoding.proposal import Drafter, DraftProposal
@@ -83,10 +92,49 @@ class CascadeState:
     prompt_ids: list[int]
     book: CascadeBook | None = None  # made on the first proposal, which brings the sampling params
     stages: list[Any] = field(default_factory=list)  # each stage's session
+    stopping: ChunkStopping | None = None  # adaptive cascades only
 
     @property
     def stage_stats(self) -> list[StageStats]:
         return self.book.stats if self.book is not None else []
+
+    @property
+    def lossy(self) -> bool:
+        """True once a chunk was committed below the target (adaptive cascades only)."""
+        return any(s.num_chunks_stopped for s in self.stage_stats)
+
+    @property
+    def num_chunks_to_target(self) -> int:
+        """Chunks the target verified (adaptive cascades; 0 in a lossless one, which does not count)."""
+        return self.stopping.num_chunks_to_target if self.stopping is not None else 0
+
+
+def _check_stopper(stopper: AdaptiveStopper | None, num_stages: int) -> None:
+    if stopper is not None and stopper.num_stages != num_stages + 1:
+        raise ValueError(f"the stopper was made for {stopper.num_stages} levels; this cascade has {num_stages} "
+                         f"stages and the target ({num_stages + 1})")
+
+
+def _adaptive_start(state: CascadeState, accepted: Sequence[int]) -> None:
+    if state.stopping is not None and state.book is not None:
+        state.stopping.start_round(accepted, state.book.stats)
+
+
+def _adaptive_stop(state: CascadeState, index: int, call: StageCall, out: StageOutput, proposal: DraftProposal) -> bool:
+    """After stage `index` ran: feed the stopper its judgment of the lower chunk; True = stop here."""
+    book, stopping = state.book, state.stopping
+    if stopping is None or book is None:
+        return False
+    stopping.stage_verified(index, call, out, book.stats)
+    return stopping.decide(index, call, out, proposal, book.num_confirmed - len(state.prompt_ids), book.stats)
+
+
+def _adaptive_result(state: CascadeState, proposal: DraftProposal, stopped: bool) -> DraftProposal:
+    if stopped:
+        return DraftProposal(list(proposal.token_ids), unverified=True)
+    if state.stopping is not None:
+        state.stopping.sent_to_target(proposal)
+    return proposal
 
 
 class CascadeDrafter:
@@ -95,16 +143,22 @@ class CascadeDrafter:
 
     name = "cascade"
 
-    def __init__(self, base: Drafter | None, stages: Sequence[Stage], specs: Sequence[StageSpec] | None = None):
+    def __init__(self, base: Drafter | None, stages: Sequence[Stage], specs: Sequence[StageSpec] | None = None, *,
+                 stopper: AdaptiveStopper | None = None, lam: float | None = None):
         self.base = base
         self.stages = list(stages)
         self.specs = _check_specs(len(self.stages), specs)
+        _check_stopper(stopper, len(self.stages))
+        self.stopper = stopper  # None: lossless; else adaptive (lossy unless lam is inf)
+        self.lam = lam  # lambda of the sessions opened from now on; None = the stopper's default
         self.device = base.device if base is not None else torch.device("cpu")  # of the generator `propose` gets
+        self.last_state: CascadeState | None = None  # the session opened last: its stage stats
 
     def open(self, prompt_ids: Sequence[int]) -> CascadeState:
         """The base drafter's session now; the stages' on the first proposal (they need the params)."""
         prompt = [int(t) for t in prompt_ids]
-        return CascadeState(self.base.open(prompt) if self.base is not None else None, prompt)
+        self.last_state = CascadeState(self.base.open(prompt) if self.base is not None else None, prompt)
+        return self.last_state
 
     def check_call(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> None:
         if max_tokens < 0:
@@ -117,6 +171,7 @@ class CascadeDrafter:
         book = state.book
         assert book is not None  # made just above
         proposal = DraftProposal(token_ids=[])
+        _adaptive_start(state, accepted_since_last)
         for tokens, k in book.start_round(accepted_since_last, max_tokens):
             if self.base is not None:
                 proposal = self.base.propose(state.base, tokens, k, params, generator)
@@ -129,7 +184,9 @@ class CascadeDrafter:
             out = stage.verify_and_extend(state.stages[i], call.accepted, call.draft.token_ids, call.draft.q,
                                           call.num_extend_tokens)
             proposal = book.stage_done(i, call, out, (time.perf_counter() - start) * 1e3)
-        return proposal
+            if _adaptive_stop(state, i, call, out, proposal):
+                return _adaptive_result(state, proposal, stopped=True)
+        return _adaptive_result(state, proposal, stopped=False)
 
     def propose_many(self, states, accepted, max_tokens, params, generators) -> list[DraftProposal]:
         return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]
@@ -148,6 +205,8 @@ class CascadeDrafter:
             state.stages.append(stage.open(state.prompt_ids, params, stage_generator))
         state.book = CascadeBook(self.specs, [stage.max_context for stage in self.stages], len(state.prompt_ids),
                                  keep_q=not params.is_greedy)
+        if self.stopper is not None:
+            state.stopping = ChunkStopping(self.stopper, len(self.stages), len(state.prompt_ids), self.lam)
 
 
 class AsyncCascadeDrafter:
@@ -161,10 +220,14 @@ class AsyncCascadeDrafter:
     name = "cascade"
 
     def __init__(self, base: AsyncDrafter | None, stages: Sequence[AsyncStage], specs: Sequence[StageSpec] | None = None,
-                 is_stage_failure: Callable[[int, BaseException], bool] = lambda index, exc: False):
+                 is_stage_failure: Callable[[int, BaseException], bool] = lambda index, exc: False, *,
+                 stopper: AdaptiveStopper | None = None, lam: float | None = None):
         self.base = base
         self.stages = list(stages)
         self.specs = _check_specs(len(self.stages), specs)
+        _check_stopper(stopper, len(self.stages))
+        self.stopper = stopper  # None: lossless; else adaptive (lossy unless lam is inf)
+        self.lam = lam  # None = the stopper's default
         self.is_stage_failure = is_stage_failure
         self.last_state: CascadeState | None = None  # the session opened last: its `stage_stats` (the Coordinator builds one per request)
 
@@ -193,6 +256,8 @@ class AsyncCascadeDrafter:
         state.book = CascadeBook(self.specs, max_contexts, len(prompt), keep_q=not params.is_greedy)
         for i in failed:
             state.book.retire(i)
+        if self.stopper is not None:
+            state.stopping = ChunkStopping(self.stopper, len(self.stages), len(prompt), self.lam)
         self.last_state = state
         return state
 
@@ -200,6 +265,7 @@ class AsyncCascadeDrafter:
         book = state.book
         assert book is not None  # made by open
         proposal = DraftProposal(token_ids=[])
+        _adaptive_start(state, accepted_since_last)
         for tokens, k in book.start_round(accepted_since_last, max_tokens):
             if self.base is not None:
                 proposal = await self.base.propose(state.base, tokens, k)
@@ -219,7 +285,9 @@ class AsyncCascadeDrafter:
                 proposal = call.draft
                 continue
             proposal = book.stage_done(i, call, out, (time.perf_counter() - start) * 1e3)
-        return proposal
+            if _adaptive_stop(state, i, call, out, proposal):
+                return _adaptive_result(state, proposal, stopped=True)
+        return _adaptive_result(state, proposal, stopped=False)
 
     async def close(self, state: CascadeState) -> None:
         for stage, session in zip(self.stages, state.stages):

@@ -113,6 +113,15 @@ class StageStats:
     num_proposed_tokens: int = 0  # tokens it sent up (after the cap)
     stage_ms: float = 0.0
     retired: bool = False  # out of the session: no room left, or its service failed (the cascade went on without it)
+    # adaptive cascade only (`specmesh.cascade.chunk_stopping`; all 0 in a lossless one):
+    num_chunks_stopped: int = 0  # chunks committed at this stage WITHOUT the target's verification (lossy)
+    num_chunks_judged: int = 0  # chunks that went on and the next level verified
+    num_chunks_agreed: int = 0  # of those, the next level accepted the whole chunk
+
+    @property
+    def agreement_rate(self) -> float:
+        """Measured P(the next level accepts this stage's whole chunk), over the chunks that went on."""
+        return self.num_chunks_agreed / self.num_chunks_judged if self.num_chunks_judged else 0.0
 
     @property
     def acceptance_rate(self) -> float:

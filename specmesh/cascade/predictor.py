@@ -29,7 +29,9 @@ from specmesh.cascade.identity import StageIdentity
 
 FILE_FORMAT = "specmesh-cascade-predictor"
 FILE_VERSION = 1
-MIN_STD = 1e-6  # a constant feature (e.g. a stage's one-hot in single-stage data) is not divided by 0
+MIN_STD = 1e-6  # a feature whose training std is below this is constant there (e.g. a stage's one-hot in
+# single-stage data, or the lower draft's accepted fraction at a stage that had no draft): the model
+# ignores it (zero input weights), so a value it never saw in training cannot swing the prediction
 
 
 class PredictorMismatchError(ValueError):
@@ -82,7 +84,9 @@ class AgreementPredictor:
         if raw.dim() != 2 or raw.shape[0] != y.shape[0] or raw.shape[0] == 0:
             raise ValueError(f"fit needs rows [n, d] and n labels, got {tuple(raw.shape)} and {tuple(y.shape)}")
         self.mean = raw.mean(dim=0)
-        self.std = raw.std(dim=0, unbiased=False).clamp_min(MIN_STD)
+        std = raw.std(dim=0, unbiased=False)
+        constant = std < MIN_STD
+        self.std = torch.where(constant, torch.ones_like(std), std)
         inputs = self._inputs(raw)
         generator = torch.Generator().manual_seed(config.seed)
         self.net = _mlp(self.schema.num_features, config.hidden)
@@ -102,6 +106,10 @@ class AgreementPredictor:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+        with torch.no_grad():
+            first = self.net[0]
+            assert isinstance(first, torch.nn.Linear)
+            first.weight[:, constant] = 0.0
         self.net.eval()
         self.info.num_training_rows = int(y.shape[0])
         return losses

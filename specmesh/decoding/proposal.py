@@ -5,6 +5,12 @@ exact processed distributions q the tokens were drawn from — what `specmesh.de
 `specmesh.decoding.tree` need for exact verification. A deterministic drafter (n-gram lookup)
 returns q = None, meaning one-hot q at each drafted token, which keeps verification lossless.
 
+`unverified=True` (lossy, opt-in: an adaptive cascade that stopped below the target) marks a chunk to
+emit as it is, WITHOUT the target's verification: the driver commits it (`SpeculationState.
+record_unverified`, `TargetVerifier.append_unverified`) and the target feeds it as context in its
+next forward. A verifier refuses to verify such a proposal, so a driver that does not know the flag
+fails loudly instead of quietly verifying a chunk whose stats say it was not.
+
 q is kept in the dtype it was stored in. A drafter whose q travels rounded (float16 / bfloat16 on the
 wire, see `specmesh.drafters.wire_q`) samples from `normalize_q(rounded)` and returns the rounded rows:
 every process that verifies them computes the same float32 probabilities from the same values.
@@ -58,6 +64,7 @@ class DraftProposal:
     token_ids: list[int]  # [k]
     q: torch.Tensor | None = None  # [k, vocab] token_ids[i] was drawn from normalize_q(q)[i]; None = one-hot
     parents: list[int] | None = None  # [k] tree parents (NO_PARENT = off the last token); None = chain
+    unverified: bool = False  # lossy: commit token_ids as output without verifying them (module docstring)
 
     @property
     def num_tokens(self) -> int:

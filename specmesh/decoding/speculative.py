@@ -7,7 +7,9 @@ with a local drafter and a `TargetVerifier`; `generate` collects it.
 
 The round itself (k, finish rules, stats) is `specmesh.decoding.state`; this file only calls the
 drafter and the verifier. With no drafter (or k = 0) a round is one plain decoding step, so plain
-autoregressive decoding is this loop with `drafter=None`.
+autoregressive decoding is this loop with `drafter=None`. A proposal marked `unverified` (a lossy
+adaptive cascade's early stop, opt-in) is emitted without a verify forward; the target takes it as
+context in its next one.
 
 Randomness: the target and the drafter each get a generator seeded from the request's seed
 (`draft_seed` derives the drafter's), the same split the distributed services use, so a seeded run
@@ -36,6 +38,11 @@ class GenerationResult:
     finish_reason: FinishReason
     stats: SpecStats
     events: list[StepEvent] = field(default_factory=list)
+
+    @property
+    def lossy(self) -> bool:
+        """True when some tokens were committed without the target's verification (opt-in lossy mode)."""
+        return any(event.unverified for event in self.events)
 
     @property
     def text(self) -> str:
@@ -77,6 +84,10 @@ def speculative_stream(
                 start = time.perf_counter()
                 proposal = drafter.propose(draft_state, state.take_draft_input(), k, params, draft_generator)
                 draft_ms = (time.perf_counter() - start) * 1e3
+            if proposal.unverified:  # lossy, opt-in: the cascade stopped early; the target catches up next forward
+                verifier.append_unverified(session, proposal.token_ids)
+                yield state.record_unverified(proposal.token_ids, draft_ms)
+                continue
             start = time.perf_counter()
             outcome = verifier.verify(session, proposal)
             verify_ms = (time.perf_counter() - start) * 1e3

@@ -22,6 +22,10 @@ Worked example (greedy, max_new_tokens = 5, EOS = 2, prompt of 3 tokens, context
     record(3, 1, [8, 9])                emits [8, 9]                generated [7, 8, 9]
     next_k()                        ->  min(4, 5 - 3 - 1) = 1
     record(1, 1, [2, 5])                emits [2], finish EOS       (5 came after EOS: dropped)
+
+Lossy, opt-in (an adaptive cascade stopped below the target): `record_unverified(tokens)` emits a
+chunk the target did not verify; it costs no target forward and leaves the k policy alone, the event
+says `unverified`, and `lossy` stays True for the rest of the generation.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class StepEvent:
     finish_reason: FinishReason | None = None
     stats: SpecStats | None = None
     text: str = ""  # new visible text, when the state decodes (stop strings or streaming text)
+    unverified: bool = False  # lossy: the tokens were committed without the target's verification
 
 
 class SpeculationState:
@@ -96,6 +101,7 @@ class SpeculationState:
         self.num_tokens = num_prompt_tokens  # prompt + every token the target emitted (the pending one too)
         self._emitted: list[int] = []  # every token the target emitted, also past a finish (what the KV saw)
         self._num_told_drafter = 0
+        self.num_unverified_tokens = 0  # emitted without the target's verification (lossy mode only)
         self._start_s = time.perf_counter()
 
     @property
@@ -155,6 +161,25 @@ class SpeculationState:
         self.stats.record_round(num_drafted, num_accepted, draft_ms, verify_ms)
         self.k_policy.update(num_drafted, num_accepted, draft_ms, verify_ms, cost)
         return self._emit(list(map(int, token_ids)), num_drafted, num_accepted)
+
+    @property
+    def lossy(self) -> bool:
+        """True once any chunk was committed without the target's verification."""
+        return self.num_unverified_tokens > 0
+
+    def record_unverified(self, token_ids: Sequence[int], draft_ms: float = 0.0) -> StepEvent:
+        """Fold in a chunk the drafter committed without the target's verification (lossy, opt-in: an
+        adaptive cascade stopped below the target). The driver tells the target to take the tokens as
+        context (`TargetVerifier.append_unverified`); they are told to the drafter like any others.
+        1 <= len(token_ids) <= the round's `max_draft_tokens`, as a draft of that round would be."""
+        self._check_not_finished()
+        if not 1 <= len(token_ids) <= self.max_draft_tokens:
+            raise ValueError(f"an unverified chunk has 1..{self.max_draft_tokens} tokens, got {len(token_ids)}")
+        self.stats.draft_ms += draft_ms
+        self.num_unverified_tokens += len(token_ids)
+        event = self._emit(list(map(int, token_ids)), 0, 0)
+        event.unverified = True
+        return event
 
     def _check_not_finished(self) -> None:
         if self.finish_reason is not None:

@@ -230,11 +230,30 @@ class TargetVerifier:
         self.engine.truncate(session.seq_id, common)
         session.token_ids, session.num_cached = new, common
 
+    def append_unverified(self, session: TargetSession, token_ids: Sequence[int]) -> None:
+        """Extend the sequence by tokens taken without verification (a lossy cascade's committed chunk,
+        a Verify request's forced tokens): no forward now; the next forward feeds them before its
+        draft, and the last one becomes the pending token.
+
+        Worked example: [p0 p1 x] with 2 cached (x pending); append [a, b] -> [p0 p1 x a b], 2 cached;
+        the next verify feeds [x, a, b, *draft] and judges the draft from b's row on."""
+        tokens = [int(t) for t in token_ids]
+        if any(not 0 <= t < self.engine.vocab_size for t in tokens):
+            raise ValueError(f"unverified token ids must lie in [0, {self.engine.vocab_size})")
+        if tokens and session.constraint is not None:
+            raise ValueError("a constrained session (grammar) cannot take unverified tokens")
+        if session.num_tokens + len(tokens) > self.engine.max_context:
+            raise ContextLengthError(f"{len(tokens)} unverified tokens do not fit in the context window "
+                                     f"({session.num_tokens} of {self.engine.max_context} tokens used)")
+        session.token_ids.extend(tokens)
+
     def close(self, session: TargetSession) -> None:
         self.engine.free(session.seq_id)
 
     def _forward_input(self, session: TargetSession, proposal: DraftProposal) -> SeqInput:
         """[uncached tokens (the pending one last), *draft]; logits from the pending token on."""
+        if proposal.unverified:
+            raise ValueError("an unverified chunk is committed by the driver (append_unverified), never verified")
         if proposal.num_tokens > self.max_draft_tokens(session):
             raise ContextLengthError(
                 f"{proposal.num_tokens} draft tokens exceed the context window "

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.proto.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/verify.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xc3\x01\n\x18VerifyOpenSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x31\n\x08skeleton\x18\x04 \x01(\x0b\x32\x1f.specmesh.v1.SkeletonConstraint\x12\x19\n\x11\x65ncoder_input_ids\x18\x05 \x03(\rJ\x04\x08\x03\x10\x04R\nsession_id\"\x8e\x01\n\x12SkeletonConstraint\x12\x12\n\nmax_points\x18\x01 \x01(\r\x12\x17\n\x0fmax_title_bytes\x18\x02 \x01(\r\x12\x16\n\x0emax_est_digits\x18\x03 \x01(\r\x12\x18\n\x10max_direct_bytes\x18\x04 \x01(\r\x12\x19\n\x11num_forced_tokens\x18\x05 \x01(\r\"\x97\x01\n\x19VerifyOpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\"\xd1\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\x36\n\rdistributions\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.DraftDistributions\x12\x14\n\x0ctree_parents\x18\x04 \x03(\x05\x12\x1b\n\x13\x64\x65terministic_draft\x18\x05 \x01(\x08\x12\x18\n\x0bround_index\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_round_index\"\x9b\x03\n\x0eVerifyResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1b\n\x13num_accepted_tokens\x18\x02 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x03 \x03(\r\x12\x1b\n\x13\x61\x63\x63\x65pted_tree_nodes\x18\x04 \x03(\x05\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x11\n\tverify_ms\x18\x06 \x01(\x01\x12\x30\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\x13\n\x0bround_index\x18\x08 \x01(\x04\x12\x13\n\x0bstatus_code\x18\t \x01(\r\x12\x16\n\x0estatus_message\x18\n \x01(\t\x12\x1d\n\x10\x66orward_fixed_ms\x18\x0b \x01(\x01H\x00\x88\x01\x01\x12!\n\x14\x66orward_ms_per_token\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x0c\x62\x61tch_tokens\x18\r \x01(\rB\x13\n\x11_forward_fixed_msB\x17\n\x15_forward_ms_per_token\"B\n\x12VerifyBatchRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.VerifyRequest\"E\n\x13VerifyBatchResponse\x12.\n\tresponses\x18\x01 \x03(\x0b\x32\x1b.specmesh.v1.VerifyResponse\"e\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x18\n\x0bround_index\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_round_index\"g\n\x0cStepResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x1b.specmesh.v1.VerifyResponse\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\"\xa1\x01\n\x0b\x46orkRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_children\x18\x02 \x01(\r\x12\x33\n\x0e\x63hild_sampling\x18\x03 \x03(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x18\n\x10\x61ppend_token_ids\x18\x04 \x03(\r\x12\x19\n\x11num_prefix_tokens\x18\x05 \x01(\r\"A\n\x0c\x46orkResponse\x12\x19\n\x11\x63hild_session_ids\x18\x01 \x03(\t\x12\x16\n\x0enext_token_ids\x18\x02 \x03(\r\"/\n\x19VerifyCloseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"-\n\x1aVerifyCloseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"{\n\x15VerifyGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x19\n\x11\x65ncoder_input_ids\x18\x03 \x03(\r\"\x8b\x01\n\x16VerifyGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\"\x16\n\x14VerifyGetInfoRequest\"\xfe\x01\n\x15VerifyGetInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.ModelInfo\x12\x15\n\rfused_drafter\x18\x02 \x01(\t\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\r\x12 \n\x02kv\x18\x04 \x01(\x0b\x32\x14.specmesh.v1.KvUsage\x12\x18\n\x10max_draft_tokens\x18\x05 \x01(\r\x12\x19\n\x11max_fork_children\x18\x06 \x01(\r\x12\x1a\n\x12is_encoder_decoder\x18\x07 \x01(\x08\x12\x1a\n\x12\x64\x65\x63oder_prompt_ids\x18\x08 \x03(\r2\x86\x05\n\rVerifyService\x12\\\n\x0bOpenSession\x12%.specmesh.v1.VerifyOpenSessionRequest\x1a&.specmesh.v1.VerifyOpenSessionResponse\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12P\n\x0bVerifyBatch\x12\x1f.specmesh.v1.VerifyBatchRequest\x1a .specmesh.v1.VerifyBatchResponse\x12;\n\x04Step\x12\x18.specmesh.v1.StepRequest\x1a\x19.specmesh.v1.StepResponse\x12;\n\x04\x46ork\x12\x18.specmesh.v1.ForkRequest\x1a\x19.specmesh.v1.ForkResponse\x12_\n\x0c\x43loseSession\x12&.specmesh.v1.VerifyCloseSessionRequest\x1a\'.specmesh.v1.VerifyCloseSessionResponse\x12U\n\x08Generate\x12\".specmesh.v1.VerifyGenerateRequest\x1a#.specmesh.v1.VerifyGenerateResponse0\x01\x12P\n\x07GetInfo\x12!.specmesh.v1.VerifyGetInfoRequest\x1a\".specmesh.v1.VerifyGetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/verify.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xc3\x01\n\x18VerifyOpenSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x31\n\x08skeleton\x18\x04 \x01(\x0b\x32\x1f.specmesh.v1.SkeletonConstraint\x12\x19\n\x11\x65ncoder_input_ids\x18\x05 \x03(\rJ\x04\x08\x03\x10\x04R\nsession_id\"\x8e\x01\n\x12SkeletonConstraint\x12\x12\n\nmax_points\x18\x01 \x01(\r\x12\x17\n\x0fmax_title_bytes\x18\x02 \x01(\r\x12\x16\n\x0emax_est_digits\x18\x03 \x01(\r\x12\x18\n\x10max_direct_bytes\x18\x04 \x01(\r\x12\x19\n\x11num_forced_tokens\x18\x05 \x01(\r\"\x97\x01\n\x19VerifyOpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\"\xeb\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\x36\n\rdistributions\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.DraftDistributions\x12\x14\n\x0ctree_parents\x18\x04 \x03(\x05\x12\x1b\n\x13\x64\x65terministic_draft\x18\x05 \x01(\x08\x12\x18\n\x0bround_index\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10\x66orced_token_ids\x18\x07 \x03(\rB\x0e\n\x0c_round_index\"\x9b\x03\n\x0eVerifyResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1b\n\x13num_accepted_tokens\x18\x02 \x01(\r\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x03 \x03(\r\x12\x1b\n\x13\x61\x63\x63\x65pted_tree_nodes\x18\x04 \x03(\x05\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x11\n\tverify_ms\x18\x06 \x01(\x01\x12\x30\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\x13\n\x0bround_index\x18\x08 \x01(\x04\x12\x13\n\x0bstatus_code\x18\t \x01(\r\x12\x16\n\x0estatus_message\x18\n \x01(\t\x12\x1d\n\x10\x66orward_fixed_ms\x18\x0b \x01(\x01H\x00\x88\x01\x01\x12!\n\x14\x66orward_ms_per_token\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x0c\x62\x61tch_tokens\x18\r \x01(\rB\x13\n\x11_forward_fixed_msB\x17\n\x15_forward_ms_per_token\"B\n\x12VerifyBatchRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.VerifyRequest\"E\n\x13VerifyBatchResponse\x12.\n\tresponses\x18\x01 \x03(\x0b\x32\x1b.specmesh.v1.VerifyResponse\"e\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x18\n\x0bround_index\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_round_index\"g\n\x0cStepResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x1b.specmesh.v1.VerifyResponse\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\"\xa1\x01\n\x0b\x46orkRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_children\x18\x02 \x01(\r\x12\x33\n\x0e\x63hild_sampling\x18\x03 \x03(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x18\n\x10\x61ppend_token_ids\x18\x04 \x03(\r\x12\x19\n\x11num_prefix_tokens\x18\x05 \x01(\r\"A\n\x0c\x46orkResponse\x12\x19\n\x11\x63hild_session_ids\x18\x01 \x03(\t\x12\x16\n\x0enext_token_ids\x18\x02 \x03(\r\"/\n\x19VerifyCloseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"-\n\x1aVerifyCloseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"{\n\x15VerifyGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x19\n\x11\x65ncoder_input_ids\x18\x03 \x03(\r\"\x8b\x01\n\x16VerifyGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\"\x16\n\x14VerifyGetInfoRequest\"\xfe\x01\n\x15VerifyGetInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.ModelInfo\x12\x15\n\rfused_drafter\x18\x02 \x01(\t\x12\x18\n\x10max_batch_tokens\x18\x03 \x01(\r\x12 \n\x02kv\x18\x04 \x01(\x0b\x32\x14.specmesh.v1.KvUsage\x12\x18\n\x10max_draft_tokens\x18\x05 \x01(\r\x12\x19\n\x11max_fork_children\x18\x06 \x01(\r\x12\x1a\n\x12is_encoder_decoder\x18\x07 \x01(\x08\x12\x1a\n\x12\x64\x65\x63oder_prompt_ids\x18\x08 \x03(\r2\x86\x05\n\rVerifyService\x12\\\n\x0bOpenSession\x12%.specmesh.v1.VerifyOpenSessionRequest\x1a&.specmesh.v1.VerifyOpenSessionResponse\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12P\n\x0bVerifyBatch\x12\x1f.specmesh.v1.VerifyBatchRequest\x1a .specmesh.v1.VerifyBatchResponse\x12;\n\x04Step\x12\x18.specmesh.v1.StepRequest\x1a\x19.specmesh.v1.StepResponse\x12;\n\x04\x46ork\x12\x18.specmesh.v1.ForkRequest\x1a\x19.specmesh.v1.ForkResponse\x12_\n\x0c\x43loseSession\x12&.specmesh.v1.VerifyCloseSessionRequest\x1a\'.specmesh.v1.VerifyCloseSessionResponse\x12U\n\x08Generate\x12\".specmesh.v1.VerifyGenerateRequest\x1a#.specmesh.v1.VerifyGenerateResponse0\x01\x12P\n\x07GetInfo\x12!.specmesh.v1.VerifyGetInfoRequest\x1a\".specmesh.v1.VerifyGetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,33 +39,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYOPENSESSIONRESPONSE']._serialized_start=411
   _globals['_VERIFYOPENSESSIONRESPONSE']._serialized_end=562
   _globals['_VERIFYREQUEST']._serialized_start=565
-  _globals['_VERIFYREQUEST']._serialized_end=774
-  _globals['_VERIFYRESPONSE']._serialized_start=777
-  _globals['_VERIFYRESPONSE']._serialized_end=1188
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=1190
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=1256
-  _globals['_VERIFYBATCHRESPONSE']._serialized_start=1258
-  _globals['_VERIFYBATCHRESPONSE']._serialized_end=1327
-  _globals['_STEPREQUEST']._serialized_start=1329
-  _globals['_STEPREQUEST']._serialized_end=1430
-  _globals['_STEPRESPONSE']._serialized_start=1432
-  _globals['_STEPRESPONSE']._serialized_end=1535
-  _globals['_FORKREQUEST']._serialized_start=1538
-  _globals['_FORKREQUEST']._serialized_end=1699
-  _globals['_FORKRESPONSE']._serialized_start=1701
-  _globals['_FORKRESPONSE']._serialized_end=1766
-  _globals['_VERIFYCLOSESESSIONREQUEST']._serialized_start=1768
-  _globals['_VERIFYCLOSESESSIONREQUEST']._serialized_end=1815
-  _globals['_VERIFYCLOSESESSIONRESPONSE']._serialized_start=1817
-  _globals['_VERIFYCLOSESESSIONRESPONSE']._serialized_end=1862
-  _globals['_VERIFYGENERATEREQUEST']._serialized_start=1864
-  _globals['_VERIFYGENERATEREQUEST']._serialized_end=1987
-  _globals['_VERIFYGENERATERESPONSE']._serialized_start=1990
-  _globals['_VERIFYGENERATERESPONSE']._serialized_end=2129
-  _globals['_VERIFYGETINFOREQUEST']._serialized_start=2131
-  _globals['_VERIFYGETINFOREQUEST']._serialized_end=2153
-  _globals['_VERIFYGETINFORESPONSE']._serialized_start=2156
-  _globals['_VERIFYGETINFORESPONSE']._serialized_end=2410
-  _globals['_VERIFYSERVICE']._serialized_start=2413
-  _globals['_VERIFYSERVICE']._serialized_end=3059
+  _globals['_VERIFYREQUEST']._serialized_end=800
+  _globals['_VERIFYRESPONSE']._serialized_start=803
+  _globals['_VERIFYRESPONSE']._serialized_end=1214
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=1216
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=1282
+  _globals['_VERIFYBATCHRESPONSE']._serialized_start=1284
+  _globals['_VERIFYBATCHRESPONSE']._serialized_end=1353
+  _globals['_STEPREQUEST']._serialized_start=1355
+  _globals['_STEPREQUEST']._serialized_end=1456
+  _globals['_STEPRESPONSE']._serialized_start=1458
+  _globals['_STEPRESPONSE']._serialized_end=1561
+  _globals['_FORKREQUEST']._serialized_start=1564
+  _globals['_FORKREQUEST']._serialized_end=1725
+  _globals['_FORKRESPONSE']._serialized_start=1727
+  _globals['_FORKRESPONSE']._serialized_end=1792
+  _globals['_VERIFYCLOSESESSIONREQUEST']._serialized_start=1794
+  _globals['_VERIFYCLOSESESSIONREQUEST']._serialized_end=1841
+  _globals['_VERIFYCLOSESESSIONRESPONSE']._serialized_start=1843
+  _globals['_VERIFYCLOSESESSIONRESPONSE']._serialized_end=1888
+  _globals['_VERIFYGENERATEREQUEST']._serialized_start=1890
+  _globals['_VERIFYGENERATEREQUEST']._serialized_end=2013
+  _globals['_VERIFYGENERATERESPONSE']._serialized_start=2016
+  _globals['_VERIFYGENERATERESPONSE']._serialized_end=2155
+  _globals['_VERIFYGETINFOREQUEST']._serialized_start=2157
+  _globals['_VERIFYGETINFOREQUEST']._serialized_end=2179
+  _globals['_VERIFYGETINFORESPONSE']._serialized_start=2182
+  _globals['_VERIFYGETINFORESPONSE']._serialized_end=2436
+  _globals['_VERIFYSERVICE']._serialized_start=2439
+  _globals['_VERIFYSERVICE']._serialized_end=3085
 # @@protoc_insertion_point(module_scope)

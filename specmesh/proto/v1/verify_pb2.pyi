@@ -146,6 +146,7 @@ class VerifyRequest(_message.Message):
     TREE_PARENTS_FIELD_NUMBER: _builtins.int
     DETERMINISTIC_DRAFT_FIELD_NUMBER: _builtins.int
     ROUND_INDEX_FIELD_NUMBER: _builtins.int
+    FORCED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     deterministic_draft: _builtins.bool
     """the draft came from a deterministic drafter (greedy, n-gram):"""
@@ -168,6 +169,14 @@ class VerifyRequest(_message.Message):
     def tree_parents(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[k] optional token tree: parent index of each draft token, -1 = root"""
 
+    @_builtins.property
+    def forced_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """after OpenSession). Set it to make retries safe: a resent round
+        gets the answer it got the first time, any other mismatch
+        FAILED_PRECONDITION; the session never advances twice.
+        LOSSY, opt-in (an adaptive cascade that stopped below the target):
+        """
+
     def __init__(
         self,
         *,
@@ -177,10 +186,11 @@ class VerifyRequest(_message.Message):
         tree_parents: _abc.Iterable[_builtins.int] | None = ...,
         deterministic_draft: _builtins.bool = ...,
         round_index: _builtins.int | None = ...,
+        forced_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "distributions", b"distributions", "round_index", b"round_index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "deterministic_draft", b"deterministic_draft", "distributions", b"distributions", "draft_token_ids", b"draft_token_ids", "round_index", b"round_index", "session_id", b"session_id", "tree_parents", b"tree_parents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "deterministic_draft", b"deterministic_draft", "distributions", b"distributions", "draft_token_ids", b"draft_token_ids", "forced_token_ids", b"forced_token_ids", "round_index", b"round_index", "session_id", b"session_id", "tree_parents", b"tree_parents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__round_index: _TypeAlias = _typing.Literal["round_index"]  # noqa: Y015
     _WhichOneofArgType__round_index: _TypeAlias = _typing.Literal["_round_index", b"_round_index"]  # noqa: Y015
