@@ -63,6 +63,9 @@ def sampling_parser() -> argparse.ArgumentParser:
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--cascade", default="", help='Stage services the draft climbs before the target: "" = the '
                                                      'coordinator\'s cascade_stages, "none" = off, or "addr [extend=m], ..."')
+    group.add_argument("--cascade-lambda", type=float, default=None,
+                       help="adaptive cascade, LOSSY (opt-in): target-forward equivalents one expected disagreement is "
+                            "worth; inf = lossless; default: the coordinator's")
     group.add_argument("--timeout-s", type=float, default=600.0, help="deadline of one generation")
     return parser
 
@@ -71,7 +74,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     """`CoordinatorClient.generate` keywords from the generation flags."""
     return dict(mode=args.mode, drafter=args.drafter or "", k=args.k, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
-                timeout_s=args.timeout_s, cascade=args.cascade)
+                timeout_s=args.timeout_s, cascade=args.cascade, cascade_lambda=args.cascade_lambda)
 
 
 def make_client(args: argparse.Namespace) -> CoordinatorClient:

@@ -166,7 +166,8 @@ class CoordinatorStats:
 def generate_request(prompt: Prompt, *, mode: str = "speculative", drafter: str = "", k: int = 0,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                      max_new_tokens: int = 128, stop: Sequence[str] = (), ignore_eos: bool = False,
-                     request_id: str = "", cascade: str = "") -> coordinator_pb2.GenerateRequest:
+                     request_id: str = "", cascade: str = "",
+                     cascade_lambda: float | None = None) -> coordinator_pb2.GenerateRequest:
     """The `GenerateRequest` for these arguments; ValueError for a mode or drafter the client does not know."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(m for m in MODES if m)}")
@@ -180,6 +181,8 @@ def generate_request(prompt: Prompt, *, mode: str = "speculative", drafter: str 
         sampling.seed = seed
     request = coordinator_pb2.GenerateRequest(sampling=sampling, mode=MODES[mode], num_draft_tokens=k,
                                               request_id=request_id, drafter=drafter, cascade=cascade)
+    if cascade_lambda is not None:
+        request.cascade_lambda = cascade_lambda
     if isinstance(prompt, str):
         request.prompt = prompt
     else:

@@ -143,6 +143,11 @@ class FailoverVerifier:
         handle.emitted.extend(outcome.token_ids)
         return num_drafted, outcome, finish, draft_ms
 
+    async def commit(self, handle: VerifyHandle, token_ids: Sequence[int]) -> None:
+        """A lossy cascade's unverified chunk: sent with the next Verify (a re-open includes it)."""
+        await handle.remote.commit(handle.session_id, token_ids)
+        handle.emitted.extend(token_ids)
+
     async def close(self, handle: VerifyHandle) -> None:
         await handle.remote.close(handle.session_id)
         self.pool.release(handle.replica, time.perf_counter() - handle.opened_s, len(handle.emitted))

@@ -26,6 +26,8 @@ class CoordinatorOptions(ServerOptions):
     skeleton_max_parallel: int = 4  # skeleton mode: branches decoded at once when the request says 0
     skeleton_max_points: int = 8  # skeleton mode: the most points a plan may have (the grammar's bound)
     health_interval_s: float = 1.0  # downstream health checks
+    cascade_predictor: str = ""  # adaptive cascade (lossy, opt-in): a predictor file trained for cascade_stages (specmesh cascade train)
+    cascade_lambda: float = float("inf")  # its default lambda (inf = lossless); per request: GenerateRequest.cascade_lambda
     cascade_stages: str = ""  # Stage services, cheapest first: "host:port [extend=m] [draft=k], ..." (coordinator/cascade.py); "" = off
     discovery_interval_s: float = 2.0  # how often dns:///name:port and ray:kind address entries are re-read (coordinator/discovery.py)
     downstream_token_file: str = ""  # a file holding the token this coordinator presents downstream

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.cascade import CascadeStages, parse_cascade_stages
+from coordinator.cascade import CascadeStages, load_stopper, parse_cascade_stages
 from coordinator.options import DRAFTERS, MODES, CoordinatorOptions
 from coordinator.pools import ServicePool, parse_addresses
 from coordinator.servicer import CoordinatorServicer
@@ -81,7 +81,11 @@ async def create_server(options: CoordinatorOptions) -> tuple[ServiceHandle, int
         pool.start_health_checks(options.health_interval_s)
     info, decoder_prompt_ids = await target_info(verify, time.monotonic() + INFO_WAIT_S)
     metrics = ServiceMetrics("coordinator")
-    cascade = CascadeStages(parse_cascade_stages(options.cascade_stages), open_downstream)
+    stages = parse_cascade_stages(options.cascade_stages)
+    stopper = load_stopper(options.cascade_predictor, stages, options.cascade_lambda) if options.cascade_predictor else None
+    cascade = CascadeStages(stages, open_downstream, stopper=stopper)
+    if stopper is None and options.cascade_lambda != float("inf"):
+        raise ValueError("a finite cascade_lambda needs a cascade_predictor (specmesh cascade train)")
     servicer = CoordinatorServicer(options, tokenizer, info, verify, draft, metrics, cascade,
                                    decoder_prompt_ids=decoder_prompt_ids)
 

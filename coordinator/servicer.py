@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 
-from coordinator.cascade import NO_CASCADE, CascadeStages, NamedCascade, cascade_stats_pb
+from coordinator.cascade import NO_CASCADE, CascadeStages, NamedCascade, adaptive_stats, cascade_stats_pb
 from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier
 from coordinator.mode_choice import ModeChoice, choose_mode, request_question
 from coordinator.options import DRAFTERS, CoordinatorOptions
@@ -159,7 +159,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         outer: AsyncDrafter | None = drafter
         if mode == "speculative" and not encoder_ids:  # the base drafter under the request's Stage services, if any
             outer = await self.cascade.wrap(drafter, request.cascade, calls, failovers, self.info.vocab_size,
-                                            sparse_q=self.options.sparse_q)
+                                            sparse_q=self.options.sparse_q,
+                                            cascade_lambda=request.cascade_lambda if request.HasField("cascade_lambda") else None)
         elif request.cascade and request.cascade != NO_CASCADE:
             raise ValueError(f"a cascade runs in speculative mode, not {mode}")
         k_policy = FixedK(request.num_draft_tokens) if request.num_draft_tokens and mode != "autoregressive" else None
@@ -173,6 +174,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     response.stats.CopyFrom(self._final_stats(event.stats, mode, drafter, failovers))
                     if isinstance(outer, NamedCascade):
                         response.stats.cascade_stages.extend(cascade_stats_pb(outer))
+                        response.stats.lossy |= bool(adaptive_stats(outer)["lossy"])
                 yield response
         finally:
             await stream.aclose()
@@ -211,6 +213,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         pb.num_failovers = len(failovers.events)
         pb.failovers.extend(failovers.events)
         return pb
+
+    @rpc_method
+    async def SetCascadeLambda(self, request, context) -> coordinator_pb2.SetCascadeLambdaResponse:
+        """The adaptive cascade's default lambda from now on (ValueError -> INVALID_ARGUMENT: negative, NaN,
+        or finite without a predictor configured)."""
+        self.cascade.set_default_lambda(request.cascade_lambda)
+        return coordinator_pb2.SetCascadeLambdaResponse(cascade_lambda=self.cascade.default_lambda)
 
     @rpc_method
     async def GetStats(self, request, context) -> coordinator_pb2.GetStatsResponse:

@@ -46,9 +46,13 @@ def _sampling(body: GenerationFields, max_new_tokens: int | None, choice: int) -
 
 def _request(body: GenerationFields, max_new_tokens: int | None, choice: int, request_id: str,
              **input_) -> coordinator_pb2.GenerateRequest:
-    return coordinator_pb2.GenerateRequest(
+    request = coordinator_pb2.GenerateRequest(
         **input_, sampling=_sampling(body, max_new_tokens, choice), mode=MODES[body.specmesh.mode],
-        num_draft_tokens=body.specmesh.k, drafter=body.specmesh.drafter or "", request_id=f"{request_id}-{choice}")
+        num_draft_tokens=body.specmesh.k, drafter=body.specmesh.drafter or "", request_id=f"{request_id}-{choice}",
+        cascade=body.specmesh.cascade)
+    if body.specmesh.cascade_lambda is not None:
+        request.cascade_lambda = float(body.specmesh.cascade_lambda)
+    return request
 
 
 def completion_plan(body: CompletionRequest, tokenizer, request_id: str) -> Plan:

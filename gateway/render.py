@@ -87,7 +87,7 @@ def speculation_usage(per_choice: list[common_pb2.SpeculationStats | None]) -> S
         draft_ms=sum(s.draft_ms for s in stats), verify_ms=sum(s.verify_ms for s in stats),
         drafter=",".join(dict.fromkeys(s.drafter for s in stats)),
         num_failovers=sum(s.num_failovers for s in stats), failovers=[f for s in stats for f in s.failovers],
-        seeds=[s.seed for s in stats])
+        seeds=[s.seed for s in stats], lossy=any(s.lossy for s in stats))
     for s in stats:
         for position, count in enumerate(s.accepted_per_position):
             if position == len(usage.accepted_per_position):

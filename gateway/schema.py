@@ -39,6 +39,10 @@ class SpecmeshOptions(Strict):
     k: Annotated[int, Field(ge=0, le=64)] = 0  # draft tokens per round; 0 = adaptive
     top_k: Annotated[int, Field(ge=0)] = 0  # keep the k most likely tokens; 0 = no limit
     ignore_eos: bool = False  # keep generating past the end-of-sequence token (benchmarks)
+    cascade: str = ""  # Stage services the draft climbs first: "" = the Coordinator's, "none" = off
+    # the adaptive cascade (LOSSY, opt-in): a number >= 0, or "inf" (lossless; JSON has no infinity);
+    # None = the Coordinator's default. usage.specmesh.lossy says when tokens skipped the target's check.
+    cascade_lambda: Annotated[float, Field(ge=0)] | Literal["inf"] | None = None
 
 
 class StreamOptions(Strict):
@@ -206,6 +210,7 @@ class SpeculationUsage(BaseModel):
     num_failovers: int = 0
     failovers: list[str] = Field(default_factory=list)
     seeds: list[int] = Field(default_factory=list)  # per choice: the seed that was used
+    lossy: bool = False  # an opt-in lossy mode (the adaptive cascade) made some tokens: not exactly the target's
 
 
 class Usage(BaseModel):

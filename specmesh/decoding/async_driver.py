@@ -47,6 +47,11 @@ class AsyncVerifier(Protocol):
         or not known), which must agree with the driver's."""
         ...
 
+    async def commit(self, session: Any, token_ids: Sequence[int]) -> None:
+        """Take tokens without judging them (a lossy cascade's unverified chunk, opt-in): the next
+        `verify` feeds them before its draft."""
+        ...
+
     async def close(self, session: Any) -> None: ...
 
 
@@ -110,6 +115,10 @@ async def speculative_stream_async(
                 start = time.perf_counter()
                 proposal = await drafter.propose(draft_state, state.take_draft_input(), k)
                 draft_ms = (time.perf_counter() - start) * 1e3
+            if proposal.unverified:  # lossy, opt-in: an adaptive cascade stopped below the target
+                await verifier.commit(session, proposal.token_ids)  # the next Verify carries them (forced_token_ids)
+                yield state.record_unverified(proposal.token_ids, draft_ms)
+                continue
             start = time.perf_counter()
             outcome, their_finish = await verifier.verify(session, proposal)
             verify_ms = (time.perf_counter() - start) * 1e3

@@ -177,3 +177,56 @@ def test_the_coordinator_runs_the_configured_cascade_exactly_and_reports_each_st
         with pytest.raises(grpc.aio.AioRpcError) as info:
             asyncio.run(run(cascade or stages, mode))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+
+
+def test_the_adaptive_cascade_through_the_coordinator_is_lossy_only_when_asked(cluster):
+    """A finite cascade_lambda (per request, or the default set by SetCascadeLambda) lets chunks stop at the
+    stage (stats: lossy, chunks stopped); unset / inf stays exactly the target's output."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from client.wire_loop import channel
+    from coordinator.options import CoordinatorOptions
+    from coordinator.server import create_server as create_coordinator
+    from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+    folders, ports, services = cluster
+    predictor = next((Path(__file__).parents[2] / "specmesh" / "cascade" / "data").glob("*bf16*.json"))
+    coordinator = services.start(create_coordinator(CoordinatorOptions(
+        model=folders["target"], port=0, verify_addresses=f"127.0.0.1:{ports['verify']}", draft_addresses="",
+        cascade_stages=f"127.0.0.1:{ports['stage']} extend=3", cascade_predictor=str(predictor))))
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+    ids = AutoTokenizer.from_pretrained(folders["target"]).encode(prompt, add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=24)
+    expected = generate(TargetVerifier(load_engine(folders["target"], dtype="float64")), None, ids, params).token_ids
+
+    async def run(lam=None, set_default=None):
+        request = coordinator_pb2.GenerateRequest(prompt=prompt, mode=coordinator_pb2.GENERATION_MODE_SPECULATIVE,
+                                                  drafter="none", num_draft_tokens=3,
+                                                  sampling=common_pb2.SamplingParams(temperature=0, ignore_eos=True,
+                                                                                     max_new_tokens=24))
+        if lam is not None:
+            request.cascade_lambda = lam
+        async with channel(f"127.0.0.1:{coordinator.port}") as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            if set_default is not None:
+                answer = await stub.SetCascadeLambda(coordinator_pb2.SetCascadeLambdaRequest(cascade_lambda=set_default))
+                assert answer.cascade_lambda == set_default
+            tokens, last = [], None
+            async for response in stub.Generate(request, timeout=60):
+                tokens += response.token_ids
+                last = response
+            return tokens, last.stats
+
+    tokens, stats = asyncio.run(run())
+    assert tokens == expected and not stats.lossy
+    tokens, stats = asyncio.run(run(lam=0.0))  # every chunk stops at the stage: its own decoding, labelled
+    assert stats.lossy and stats.cascade_stages[0].num_chunks_stopped > 0 and len(tokens) == len(expected)
+    tokens, stats = asyncio.run(run(set_default=0.0))
+    assert stats.lossy
+    tokens, stats = asyncio.run(run(set_default=float("inf")))
+    assert tokens == expected and not stats.lossy
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(run(set_default=-1.0))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -348,6 +348,9 @@ class CascadeStageStats(_message.Message):
     NUM_PROPOSED_TOKENS_FIELD_NUMBER: _builtins.int
     STAGE_MS_FIELD_NUMBER: _builtins.int
     RETIRED_FIELD_NUMBER: _builtins.int
+    NUM_CHUNKS_STOPPED_FIELD_NUMBER: _builtins.int
+    NUM_CHUNKS_JUDGED_FIELD_NUMBER: _builtins.int
+    NUM_CHUNKS_AGREED_FIELD_NUMBER: _builtins.int
     stage: _builtins.str
     """its address (or name)"""
     num_rounds: _builtins.int
@@ -362,6 +365,12 @@ class CascadeStageStats(_message.Message):
     """time in its calls"""
     retired: _builtins.bool
     """dropped mid-request (no room left, or its service failed)"""
+    num_chunks_stopped: _builtins.int
+    """adaptive cascade (lossy): chunks committed at this stage, unverified above"""
+    num_chunks_judged: _builtins.int
+    """chunks that went on to the next level, which judged them"""
+    num_chunks_agreed: _builtins.int
+    """of those, the next level agreed with the whole chunk"""
     def __init__(
         self,
         *,
@@ -372,10 +381,13 @@ class CascadeStageStats(_message.Message):
         num_proposed_tokens: _builtins.int = ...,
         stage_ms: _builtins.float = ...,
         retired: _builtins.bool = ...,
+        num_chunks_stopped: _builtins.int = ...,
+        num_chunks_judged: _builtins.int = ...,
+        num_chunks_agreed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_proposed_tokens", b"num_proposed_tokens", "num_rounds", b"num_rounds", "retired", b"retired", "stage", b"stage", "stage_ms", b"stage_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_accepted_tokens", b"num_accepted_tokens", "num_chunks_agreed", b"num_chunks_agreed", "num_chunks_judged", b"num_chunks_judged", "num_chunks_stopped", b"num_chunks_stopped", "num_draft_tokens", b"num_draft_tokens", "num_proposed_tokens", b"num_proposed_tokens", "num_rounds", b"num_rounds", "retired", b"retired", "stage", b"stage", "stage_ms", b"stage_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -95,6 +95,7 @@ class GenerateRequest(_message.Message):
     DOCUMENTS_FIELD_NUMBER: _builtins.int
     SKELETON_PREFIX_FIELD_NUMBER: _builtins.int
     CASCADE_FIELD_NUMBER: _builtins.int
+    CASCADE_LAMBDA_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """raw text, tokenized as-is"""
     mode: Global___GenerationMode.ValueType
@@ -121,6 +122,12 @@ class GenerateRequest(_message.Message):
     target verifies it (output unchanged). "" = the coordinator's configured cascade_stages, "none"
     = no cascade, else "addr [extend=m] [draft=k], ..." naming configured stages, cheapest first.
     """
+    cascade_lambda: _builtins.float
+    """The adaptive cascade (LOSSY, opt-in): how many target-forward equivalents one expected
+    disagreement with the target is worth. Unset = the coordinator's default (SetCascadeLambda);
+    inf = lossless. A finite value lets a chunk stop at a cheaper stage when its predicted
+    agreement makes that worth it; the stats then say lossy and where each chunk stopped.
+    """
     @_builtins.property
     def chat(self) -> Global___ChatMessages:
         """rendered with the model's chat template"""
@@ -145,16 +152,62 @@ class GenerateRequest(_message.Message):
         documents: _abc.Iterable[_builtins.str] | None = ...,
         skeleton_prefix: _builtins.str = ...,
         cascade: _builtins.str = ...,
+        cascade_lambda: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda", "cascade_lambda", b"cascade_lambda", "chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cascade", b"cascade", "chat", b"chat", "documents", b"documents", "drafter", b"drafter", "input", b"input", "max_parallel", b"max_parallel", "mode", b"mode", "num_draft_tokens", b"num_draft_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "skeleton_prefix", b"skeleton_prefix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda", "cascade", b"cascade", "cascade_lambda", b"cascade_lambda", "chat", b"chat", "documents", b"documents", "drafter", b"drafter", "input", b"input", "max_parallel", b"max_parallel", "mode", b"mode", "num_draft_tokens", b"num_draft_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "skeleton_prefix", b"skeleton_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cascade_lambda: _TypeAlias = _typing.Literal["cascade_lambda"]  # noqa: Y015
+    _WhichOneofArgType__cascade_lambda: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cascade_lambda) -> _WhichOneofReturnType__cascade_lambda | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class SetCascadeLambdaRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CASCADE_LAMBDA_FIELD_NUMBER: _builtins.int
+    cascade_lambda: _builtins.float
+    """>= 0; inf = lossless (the default until changed)"""
+    def __init__(
+        self,
+        *,
+        cascade_lambda: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cascade_lambda", b"cascade_lambda"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetCascadeLambdaRequest: _TypeAlias = SetCascadeLambdaRequest  # noqa: Y015
+
+@_typing.final
+class SetCascadeLambdaResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CASCADE_LAMBDA_FIELD_NUMBER: _builtins.int
+    cascade_lambda: _builtins.float
+    """the default now in force"""
+    def __init__(
+        self,
+        *,
+        cascade_lambda: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cascade_lambda", b"cascade_lambda"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetCascadeLambdaResponse: _TypeAlias = SetCascadeLambdaResponse  # noqa: Y015
 
 @_typing.final
 class ChatMessages(_message.Message):

@@ -44,6 +44,11 @@ class CoordinatorServiceStub:
                 request_serializer=specmesh_dot_v1_dot_coordinator__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_coordinator__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.SetCascadeLambda = channel.unary_unary(
+                '/specmesh.v1.CoordinatorService/SetCascadeLambda',
+                request_serializer=specmesh_dot_v1_dot_coordinator__pb2.SetCascadeLambdaRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_coordinator__pb2.SetCascadeLambdaResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -63,6 +68,13 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetCascadeLambda(self, request, context):
+        """Change the adaptive cascade's default lambda at run time (requests that give none use it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=specmesh_dot_v1_dot_coordinator__pb2.GetStatsRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_coordinator__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'SetCascadeLambda': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetCascadeLambda,
+                    request_deserializer=specmesh_dot_v1_dot_coordinator__pb2.SetCascadeLambdaRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_coordinator__pb2.SetCascadeLambdaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +148,33 @@ class CoordinatorService:
             '/specmesh.v1.CoordinatorService/GetStats',
             specmesh_dot_v1_dot_coordinator__pb2.GetStatsRequest.SerializeToString,
             specmesh_dot_v1_dot_coordinator__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetCascadeLambda(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.CoordinatorService/SetCascadeLambda',
+            specmesh_dot_v1_dot_coordinator__pb2.SetCascadeLambdaRequest.SerializeToString,
+            specmesh_dot_v1_dot_coordinator__pb2.SetCascadeLambdaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,8 @@ class CoordinatorServiceStub:
     """Generate text; the response streams as tokens are accepted."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatsRequest, _coordinator_pb2.GetStatsResponse]
     """Aggregate statistics since the coordinator started."""
+    SetCascadeLambda: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetCascadeLambdaRequest, _coordinator_pb2.SetCascadeLambdaResponse]
+    """Change the adaptive cascade's default lambda at run time (requests that give none use it)."""
 
 @_typing.type_check_only
 class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
@@ -49,6 +51,8 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     """Generate text; the response streams as tokens are accepted."""
     GetStats: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatsRequest, _coordinator_pb2.GetStatsResponse]  # type: ignore[assignment]
     """Aggregate statistics since the coordinator started."""
+    SetCascadeLambda: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetCascadeLambdaRequest, _coordinator_pb2.SetCascadeLambdaResponse]  # type: ignore[assignment]
+    """Change the adaptive cascade's default lambda at run time (requests that give none use it)."""
 
 class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -66,5 +70,13 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.GetStatsResponse, _abc.Awaitable[_coordinator_pb2.GetStatsResponse]]:
         """Aggregate statistics since the coordinator started."""
+
+    @_abc_1.abstractmethod
+    def SetCascadeLambda(
+        self,
+        request: _coordinator_pb2.SetCascadeLambdaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.SetCascadeLambdaResponse, _abc.Awaitable[_coordinator_pb2.SetCascadeLambdaResponse]]:
+        """Change the adaptive cascade's default lambda at run time (requests that give none use it)."""
 
 def add_CoordinatorServiceServicer_to_server(servicer: CoordinatorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
