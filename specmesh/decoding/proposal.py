@@ -99,7 +99,7 @@ class DraftProposal:
         `max_depth` tokens), and the kept tokens' indices in this proposal (ascending).
 
         >>> DraftProposal([7, 8, 9], parents=[-1, 0, -1]).capped(1)
-        (DraftProposal(token_ids=[7, 9], q=None, parents=[-1, -1]), [0, 2])
+        (DraftProposal(token_ids=[7, 9], q=None, parents=[-1, -1], unverified=False), [0, 2])
         """
         if not self.is_tree:
             kept = list(range(min(self.num_tokens, max(0, max_depth))))
