@@ -10,42 +10,19 @@ the support at 27 cells. Trials run 1,000 sessions at a time through the batched
 from __future__ import annotations
 
 import pytest
-import torch
+from sampling_helpers import target_joint
 from scipy.stats import chisquare
 
-from specmesh.decoding.sampling import SamplingParams, make_generator, processed_probs
+from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.speculative import draft_seed
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
-from specmesh.models.engine import SeqInput
 from specmesh.models.load import load_engine
 
 PROMPT = [11, 40, 7, 93]
 PARAMS = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True)
 NUM_TRIALS = 10_000
 CHUNK = 1_000
-
-
-def _next_probs(engine, prefix):
-    seq = engine.new_sequence()
-    try:
-        logits = engine.forward([SeqInput(seq, list(prefix), [len(prefix) - 1])])[0]
-    finally:
-        engine.free(seq)
-    return processed_probs(logits, PARAMS)[0].double()
-
-
-def _target_joint(engine):
-    """{(t1, t2, t3): probability} under the target alone."""
-    joint = {}
-    p1 = _next_probs(engine, PROMPT)
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = _next_probs(engine, PROMPT + [t1])
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            p3 = _next_probs(engine, PROMPT + [t1, t2])
-            for t3 in torch.nonzero(p3).flatten().tolist():
-                joint[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
-    return joint
 
 
 def _speculative_samples(target, draft, seeds):
@@ -74,7 +51,7 @@ def _speculative_samples(target, draft, seeds):
 def test_joint_of_three_tokens_matches_target(tiny_model_dir, draft_family):
     target = load_engine(tiny_model_dir("llama", seed=5, init_std=0.08), dtype="float64", max_kv_tokens=64 * CHUNK)
     draft = load_engine(tiny_model_dir(draft_family, seed=6, init_std=0.08), dtype="float64", max_kv_tokens=64 * CHUNK)
-    expected = _target_joint(target)
+    expected = target_joint(target, PROMPT, PARAMS)
     counts = dict.fromkeys(expected, 0)
     for start in range(0, NUM_TRIALS, CHUNK):
         for sample in _speculative_samples(target, draft, range(start, start + CHUNK)):

@@ -11,7 +11,7 @@ tests/engine/test_sampling_exactness.py does for one drafter). The bookkeeping's
 from __future__ import annotations
 
 import pytest
-import torch
+from sampling_helpers import target_joint
 from scipy.stats import chisquare
 
 from specmesh.cascade.pipeline import CascadeDrafter
@@ -25,7 +25,6 @@ from specmesh.decoding.state import draft_seed
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import PromptLookupDrafter
-from specmesh.models.engine import SeqInput
 from specmesh.models.load import load_engine
 
 PROMPT = [5, 17, 33, 5, 17, 33, 5, 17]
@@ -143,30 +142,6 @@ SAMPLED = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=
 NUM_TRIALS = 2_000
 
 
-def _next_probs(engine, prefix):
-    from specmesh.decoding.sampling import processed_probs
-
-    seq = engine.new_sequence()
-    try:
-        logits = engine.forward([SeqInput(seq, list(prefix), [len(prefix) - 1])])[0]
-    finally:
-        engine.free(seq)
-    return processed_probs(logits, SAMPLED)[0].double()
-
-
-def _target_joint(engine):
-    """{(t1, t2, t3): probability} under the target alone."""
-    joint = {}
-    p1 = _next_probs(engine, PROMPT)
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = _next_probs(engine, PROMPT + [t1])
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            p3 = _next_probs(engine, PROMPT + [t1, t2])
-            for t3 in torch.nonzero(p3).flatten().tolist():
-                joint[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
-    return joint
-
-
 def chi_square_pvalue(counts: dict, expected: dict, num_trials: int) -> tuple[float, int]:
     """p-value of counts vs expected probabilities (cells expected < 5 times pooled), and the number
     of well-populated cells."""
@@ -188,7 +163,7 @@ def test_sampled_cascade_follows_the_target(engines, base, stages):
     target = TargetVerifier(engines["target"])
     base_drafter = PromptLookupDrafter() if base == "ngram" else ModelDrafter(engines["draft"])
     drafter = CascadeDrafter(base_drafter, [StageModel(engines[name]) for name in stages])
-    expected = _target_joint(engines["target"])
+    expected = target_joint(engines["target"], PROMPT, SAMPLED)
     counts = dict.fromkeys(expected, 0)
     num_draft = num_accepted = 0
     for seed in range(NUM_TRIALS):
