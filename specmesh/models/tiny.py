@@ -112,6 +112,16 @@ def tiny_config(family: str, vocab_size: int = TINY_VOCAB_SIZE, num_layers: int 
     raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
+def randomize_weights(model, init_std: float) -> None:
+    """Matrices and biases ~ N(0, init_std); norm weights around 1, so activations keep their scale."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 or name.endswith("bias"):
+                param.normal_(0.0, init_std)
+            else:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+
+
 def make_tiny_model(
     family: str,
     path: str | Path,
@@ -134,14 +144,7 @@ def make_tiny_model(
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, init_std)
-            elif name.endswith("bias"):
-                param.normal_(0.0, init_std)
-            else:  # norm weights: around 1 so activations keep their scale
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    randomize_weights(model, init_std)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from specmesh.models.tiny import TINY_VOCAB_SIZE, _train_tokenizer
+from specmesh.models.tiny import TINY_VOCAB_SIZE, _train_tokenizer, randomize_weights
 
 ENCDEC_FAMILIES = ("t5", "bart")
 
@@ -49,14 +49,7 @@ def make_tiny_encdec(family: str, path: str | Path, seed: int = 0, num_layers: i
     config = tiny_encdec_config(family, vocab_size=len(tokenizer), num_layers=num_layers, hidden_size=hidden_size)
     torch.manual_seed(seed)
     model = AutoModelForSeq2SeqLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, init_std)
-            elif name.endswith("bias"):
-                param.normal_(0.0, init_std)
-            else:  # norm weights: around 1 so activations keep their scale
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    randomize_weights(model, init_std)
     if family == "bart":
         model.generation_config.forced_bos_token_id = 1  # as BART-large: a forced first token
     model.save_pretrained(path)
