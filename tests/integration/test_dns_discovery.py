@@ -14,16 +14,13 @@ import socket
 import time
 
 import pytest
+from service_helpers import target_only_greedy
 
 import coordinator.discovery
 from client.cluster import Cluster, ServiceSpec
 from client.wire_loop import channel
 from coordinator.options import CoordinatorOptions
 from coordinator.server import create_server
-from specmesh.decoding.sampling import SamplingParams
-from specmesh.decoding.speculative import generate
-from specmesh.decoding.verifier import TargetVerifier
-from specmesh.models.load import load_engine
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
@@ -41,11 +38,7 @@ def target(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(target):
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(target).encode(PROMPT, add_special_tokens=False)
-    params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=MAX_NEW_TOKENS)
-    return generate(TargetVerifier(load_engine(target, dtype="float64")), None, ids, params).token_ids
+    return target_only_greedy(target, PROMPT, MAX_NEW_TOKENS)
 
 
 def _port_free_on_every_host() -> int:

@@ -12,13 +12,10 @@ import signal
 import grpc
 import pytest
 import yaml
+from service_helpers import target_only_greedy
 
 from client.cluster import Cluster
 from client.wire_loop import channel
-from specmesh.decoding.sampling import SamplingParams
-from specmesh.decoding.speculative import generate
-from specmesh.decoding.verifier import TargetVerifier
-from specmesh.models.load import load_engine
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
@@ -33,11 +30,7 @@ def target(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(target):
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(target).encode(PROMPT, add_special_tokens=False)
-    params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=MAX_NEW_TOKENS)
-    return generate(TargetVerifier(load_engine(target, dtype="float64")), None, ids, params).token_ids
+    return target_only_greedy(target, PROMPT, MAX_NEW_TOKENS)
 
 
 @pytest.fixture

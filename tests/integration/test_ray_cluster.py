@@ -25,13 +25,10 @@ import yaml
 ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster as RayTestCluster  # noqa: E402
+from service_helpers import target_only_greedy  # noqa: E402
 
 from client.wire_loop import channel  # noqa: E402
-from specmesh.decoding.sampling import SamplingParams  # noqa: E402
-from specmesh.decoding.speculative import generate  # noqa: E402
-from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
 from specmesh.deploy.ray_cluster import RayCluster, load_ray_config  # noqa: E402
-from specmesh.models.load import load_engine  # noqa: E402
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
@@ -47,11 +44,7 @@ def target(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(target):
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(target).encode(PROMPT, add_special_tokens=False)
-    params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=MAX_NEW_TOKENS)
-    return generate(TargetVerifier(load_engine(target, dtype="float64")), None, ids, params).token_ids
+    return target_only_greedy(target, PROMPT, MAX_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
