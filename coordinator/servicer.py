@@ -68,14 +68,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         """An encoder-decoder target's encoder input: the prompt, or the last user message of a chat
         (such models have no chat template), tokenized with the model's special tokens."""
         which = request.WhichOneof("input")
-        if which == "prompt":
-            text = request.prompt
-        elif which == "chat" and request.chat.messages:
-            text = next((m.content for m in reversed(request.chat.messages) if m.role == "user"),
-                        request.chat.messages[-1].content)
-        else:
+        if which is None or (which == "chat" and not request.chat.messages):
             raise ValueError("a GenerateRequest needs a prompt or chat messages")
-        ids = list(self.tokenizer(text).input_ids)
+        ids = list(self.tokenizer(request_question(request)).input_ids)
         if not ids:
             raise ValueError("the encoder input is empty")
         return ids
