@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from specmesh.kv.cache import PagedKVCache
 from specmesh.models.config import LlamaFamilyConfig
 from specmesh.models.linear import ConcatLinear, Linear, fused_linear, make_linear
+from specmesh.models.lowbit.kernel import invariant_attention
 from specmesh.models.lowbit.qlinear import QuantLinear
 from specmesh.models.lowbit.qweight import QuantWeight
 from specmesh.models.rope import apply_rope, rope_tables
@@ -100,6 +101,9 @@ class LlamaFamilyModel:
         self.lm_head = make_linear(lm_head, None, "onednn" if kernel == "int8-dynamic" else kernel)
         self.cos, self.sin = rope_tables(c.rope_parameters, c.head_dim, c.max_context, dtype, device)
         self.scale = c.head_dim**-0.5
+        # low-bit layers round activations to 8 bits, which would turn SDPA's batch-dependent last bits into
+        # different codes: their attention is the fixed-order kernel (attention.cpp), so rows stay bit-identical
+        self.invariant_attention = any(isinstance(layer.qkv, QuantLinear) for layer in self.layers)
 
     def _qk_norm(self, take, prefix: str) -> torch.Tensor:
         c = self.config
@@ -151,6 +155,10 @@ class LlamaFamilyModel:
 
     def _attention(self, layer_index: int, q: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache, mask) -> torch.Tensor:
         """q: [N, heads, head_dim] -> [N, heads * head_dim]."""
+        if self.invariant_attention:
+            out = self._invariant_attention(layer_index, q, batch, cache, mask)
+            if out is not None:
+                return out
         if batch.key_range is not None:  # one sequence whose slots are contiguous: a view, no copy
             first, num_keys = batch.key_range
             keys = cache.k[layer_index, first : first + num_keys].unsqueeze(0)
@@ -175,3 +183,12 @@ class LlamaFamilyModel:
         if batch.output_index is not None:
             out = out.index_select(0, batch.output_index)
         return out
+
+    def _invariant_attention(self, layer_index: int, q: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache, mask):
+        if batch.key_range is not None:
+            first, num_keys = batch.key_range
+        else:
+            assert batch.key_slots is not None
+            first, num_keys = 0, batch.key_slots.shape[1]
+        return invariant_attention(q, cache.k[layer_index], cache.v[layer_index], batch.key_slots, first, num_keys,
+                                   mask, batch.max_new, batch.output_index, self.scale)

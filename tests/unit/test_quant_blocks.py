@@ -9,7 +9,7 @@ import torch
 
 from specmesh.models.lowbit.blocks import FORMATS, dequantize, from_ggml, quantize, quantize_weight
 from specmesh.models.lowbit.gguf_file import hf_name, unpermute_rows
-from specmesh.models.lowbit.kernel import fused_matmul, library, reference_matmul
+from specmesh.models.lowbit.kernel import build, fused_matmul, library, load, quantize_activations, reference_matmul
 from specmesh.models.lowbit.qlinear import QuantLinear
 from specmesh.models.lowbit.quantize import format_for, quantize_checkpoint
 from specmesh.models.lowbit.qweight import concatenate
@@ -77,6 +77,34 @@ def test_fused_kernel_matches_reference_on_odd_shapes():
     assert got is not None and torch.allclose(got, reference_matmul(x, weight), atol=1e-5)
 
 
+def test_the_portable_build_gives_the_vnni_builds_numbers_bit_for_bit(tmp_path):
+    """A CPU without VNNI (the plain-loop integer dots) computes the same floats in the same order."""
+    native = library()
+    if native is None or not native.lowbit_has_vnni():
+        pytest.skip("needs a compiler and a CPU with AVX-512 VNNI to compare against")
+    portable = load(build("g++", tmp_path, (["-march=x86-64-v3"],)))
+    assert portable.lowbit_has_vnni() == 0
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(3))
+    x[2, :32] = 0.0  # an all-zero activation block
+    for fmt in ALL_FORMATS:
+        cols = 512 if fmt in ("q4_k", "q6_k") else 576  # 576: a tail that is not a whole 16 blocks
+        weight = quantize_weight(_weight(rows=21, cols=cols), fmt)
+        for scales in (torch.float16, torch.float32):
+            w = weight.to_scale_dtype(scales)
+            fast, plain = fused_matmul(x[:, :cols], w, native), fused_matmul(x[:, :cols], w, portable)
+            assert fast is not None and plain is not None and torch.equal(fast, plain), (fmt, scales)
+
+
+def test_activations_are_quantized_per_row_block():
+    x = torch.tensor([[0.5, -1.0, 0.25, 0.0] * 8 + [0.0] * 32])
+    q = quantize_activations(x)
+    assert torch.equal(q[0, 32:], torch.zeros(32))  # an all-zero block stays zero
+    assert torch.allclose(q[0, :32], x[0, :32], atol=1.0 / 254)  # max |x| = 1: steps of 1/127
+    assert q[0, 1] == -1.0  # the block's largest magnitude is exact
+    together = quantize_activations(torch.cat([x, 3 * x]))
+    assert torch.equal(together[0], q[0])  # each row on its own scales
+
+
 def test_torch_fallback_without_a_compiler(monkeypatch):
     import specmesh.models.lowbit.kernel as kernel
 
@@ -85,7 +113,9 @@ def test_torch_fallback_without_a_compiler(monkeypatch):
     compiled = layer(x)
     monkeypatch.setattr(kernel, "library", lambda: None)
     assert fused_matmul(x, layer.weight) is None
-    assert torch.allclose(layer(x), compiled, atol=1e-5)
+    fallback = QuantLinear(layer.weight, None)
+    assert fallback._matmul is None
+    assert torch.allclose(fallback(x), compiled, atol=1e-5)
 
 
 def test_concatenate_mixes_scale_precisions():

@@ -1,142 +1,313 @@
-// Fused dequantize-matmul for weight-only low-bit linear layers: y[M, N] = x[M, K] @ dequant(W)[N, K]^T.
+// Fused low-bit matmul for weight-quantized linear layers: y[M, N] = xq[M, K] @ dequant(W)[N, K]^T, where xq is
+// x with each row's blocks of 32 inputs quantized to int8 (one float scale per block, as ggml's Q8 activations).
 //
-// Batch invariance by construction: output (m, n) is computed by the same sequence of float operations
-// whatever M is and wherever row m sits in the call (two chains of 16 lane accumulators fed group by
-// group in K order, then one fixed-order tree sum), so a verify forward over k + 1 rows gives, bit for bit, the
-// rows of k + 1 one-row calls. Rows are processed ROWS at a time so the dequantized group is reused
-// across rows (a verify costs about one decode step); that only changes which rows share a pass.
+// Numbers: per block b of row m, d = max|x| / 127 and q = round(x * 127 / max|x|) in -127..127 (0 when the block
+// is all zero), so the row is approximated by d * q. The weight's integer codes meet q in exact int32 dot
+// products (VNNI's u8 x s8 instruction where the CPU has it, plain loops otherwise: the integers are equal);
+// the float part is fixed: per 64 inputs ("chunk") 16 lanes, lane l covering inputs 4l..4l+3, each lane
+// acc = fma(float(dot), scale_w * d, acc) chunk by chunk in K order, then one fixed-order tree sum (plus, for
+// q4, the offsets' term sum_g offset_g * d_g * sum(q in g), accumulated the same way). Output (m, n) is
+// therefore the same sequence of operations whatever M is and wherever row m sits in the call: a verify
+// forward over k + 1 rows gives, bit for bit, the rows of k + 1 one-row calls. `kernel.py`'s torch
+// reference computes the same numbers with sgemm (equal up to float rounding).
 //
 // Layouts (row n of the weight, K inputs, groups of G inputs, S = scale type float or _Float16):
 //   q4: codes uint8 [N, K / 2]; per group of 32, byte b holds element b (low nibble) and b + 16 (high)
 //       (ggml's Q4_0 / Q4_1 order); w = scale[n, g] * q + offset[n, g], q in 0..15.
 //   q8: codes int8 [N, K]; w = scale[n, g] * q, groups of G = 16 or 32 inputs.
 // K is a multiple of 32 (every ggml block is).
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// Bytes to floats, widened through int32 (gcc scalarises a direct byte -> float vector conversion,
-// and the int8 one even through int32, so AVX-512 builds say it with intrinsics).
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
-static inline f32x16 u8_to_float(u8x16 v) { return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)v)); }
-static inline f32x16 i8_to_float(i8x16 v) { return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32((__m128i)v)); }
+#define LOWBIT_VNNI 1
 #else
-static inline f32x16 u8_to_float(u8x16 v) {
-    return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16);
-}
-static inline f32x16 i8_to_float(i8x16 v) {
-    return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16);
-}
+#define LOWBIT_VNNI 0
 #endif
 
-static inline f32x16 load16(const float *p) {
-    f32x16 v;
-    std::memcpy(&v, p, sizeof(v));
-    return v;
-}
+namespace {
 
-static inline float tree_sum(f32x16 v) {
-    float t[16];
-    std::memcpy(t, &v, sizeof(t));
-    for (int width = 8; width >= 1; width /= 2)
+constexpr int BLOCK = 32;  // inputs per activation scale
+constexpr int CHUNK = 64;  // inputs per 16 lanes (4 each)
+constexpr int LANES = 16;
+constexpr int64_t PREFETCH_ROWS = 16;  // weight rows ahead (a hint only: it never changes a number)
+
+struct Lanes {
+    alignas(64) float v[LANES];
+};
+
+// One row of activations, quantized: codes padded with zeros to whole chunks, d per lane, and per block d * sum(q)
+// padded with zeros to a multiple of 16 blocks (the q4 offsets' term runs 16 blocks at a time).
+struct Row {
+    const int8_t *q;
+    const float *lane_scale;  // [chunks * 16]: d of the block lane l reads
+    const float *block_sum;   // [blocks rounded up to 16]: d * sum(q) of each block
+};
+
+struct Quantized {
+    std::vector<int8_t> q;
+    std::vector<float> lane_scale, block_sum;
+    int64_t padded_k, padded_blocks;
+
+    Quantized(const float *x, int64_t M, int64_t K)
+        : padded_k((K + CHUNK - 1) / CHUNK * CHUNK), padded_blocks((K / BLOCK + LANES - 1) / LANES * LANES) {
+        q.assign(M * padded_k, 0);
+        lane_scale.assign(M * padded_k / 4, 0.0f);
+        block_sum.assign(M * padded_blocks, 0.0f);
+        for (int64_t m = 0; m < M; m++) {
+            const float *xr = x + m * K;
+            for (int64_t b = 0; b < K / BLOCK; b++) {
+                float amax = 0.0f;
+                for (int i = 0; i < BLOCK; i++) amax = std::fmax(amax, std::fabs(xr[b * BLOCK + i]));
+                const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+                int sum = 0;
+                for (int i = 0; i < BLOCK; i++) {
+                    float r = std::nearbyint(xr[b * BLOCK + i] * inverse);
+                    r = std::fmin(127.0f, std::fmax(-127.0f, r));
+                    q[m * padded_k + b * BLOCK + i] = (int8_t)r;
+                    sum += (int)r;
+                }
+                for (int l = 0; l < BLOCK / 4; l++) lane_scale[m * padded_k / 4 + b * BLOCK / 4 + l] = d;
+                block_sum[m * padded_blocks + b] = d * (float)sum;
+            }
+        }
+    }
+    Row row(int64_t m) const {
+        return {q.data() + m * padded_k, lane_scale.data() + m * padded_k / 4, block_sum.data() + m * padded_blocks};
+    }
+};
+
+inline float tree_sum(const Lanes &a) {
+    float t[LANES];
+    std::memcpy(t, a.v, sizeof(t));
+    for (int width = LANES / 2; width >= 1; width /= 2)
         for (int i = 0; i < width; i++) t[i] = t[i] + t[i + width];
     return t[0];
 }
 
+// Weight element e (0 <= e < K) of a row, as the integer code the dot product uses.
+inline int q4_code(const uint8_t *row, int64_t e) {
+    const uint8_t byte = row[(e / 32) * 16 + (e % 32) % 16];
+    return (e % 32) < 16 ? (byte & 15) : (byte >> 4);
+}
+inline int q8_code(const int8_t *row, int64_t e) { return row[e]; }
+
+// The portable chunk: lanes whose inputs lie past K read nothing and add fma(0, 0, acc) == acc.
+template <typename S, int G, typename Code, typename Codes>
+inline void chunk_portable(Lanes &acc, Codes row, const S *scales, const Row &x, int64_t c, int64_t K, Code code) {
+    for (int l = 0; l < LANES; l++) {
+        const int64_t e0 = c * CHUNK + 4 * l;
+        int32_t dot = 0;
+        float scale = 0.0f;
+        if (e0 < K) {
+            for (int j = 0; j < 4; j++) dot += code(row, e0 + j) * (int32_t)x.q[e0 + j];
+            scale = (float)scales[e0 / G];
+        }
+        acc.v[l] = std::fma((float)dot, scale * x.lane_scale[c * LANES + l], acc.v[l]);
+    }
+}
+
+// sum over blocks of offset_g * (d_g * sum q_g), 16 blocks per step (q4 only).
+template <typename S>
+inline float offsets_term(const S *offsets, const Row &x, int64_t K) {
+    Lanes acc{};
+    const int64_t blocks = K / BLOCK;
+    for (int64_t b0 = 0; b0 < blocks; b0 += LANES) {
+        for (int l = 0; l < LANES; l++) {
+            const float o = b0 + l < blocks ? (float)offsets[b0 + l] : 0.0f;
+            acc.v[l] = std::fma(o, x.block_sum[b0 + l], acc.v[l]);
+        }
+    }
+    return tree_sum(acc);
+}
+
+#if LOWBIT_VNNI
+// Scales of the groups one chunk covers, spread over the 16 lanes (lane l gets group l / (16 / groups)).
+template <typename S, int GROUPS>
+inline __m512 chunk_scales(const S *p) {
+    static_assert(GROUPS == 2 || GROUPS == 4);
+    __m128 v;
+    if constexpr (sizeof(S) == 2) {
+        __m128i h;
+        if constexpr (GROUPS == 2) {
+            int32_t bits;
+            std::memcpy(&bits, p, 4);
+            h = _mm_cvtsi32_si128(bits);
+        } else {
+            h = _mm_loadl_epi64((const __m128i *)p);
+        }
+        v = _mm_cvtph_ps(h);
+    } else if constexpr (GROUPS == 2) {
+        v = _mm_castpd_ps(_mm_load_sd((const double *)p));
+    } else {
+        v = _mm_loadu_ps((const float *)p);
+    }
+    const __m512i index = GROUPS == 2 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                      : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v));
+}
+
+template <typename S>
+inline float offsets_term_vnni(const S *offsets, const Row &x, int64_t K) {
+    const int64_t blocks = K / BLOCK;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t b0 = 0;
+    for (; b0 + LANES <= blocks; b0 += LANES) {
+        __m512 o;
+        if constexpr (sizeof(S) == 2)
+            o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(offsets + b0)));
+        else
+            o = _mm512_loadu_ps((const float *)(offsets + b0));
+        acc = _mm512_fmadd_ps(o, _mm512_loadu_ps(x.block_sum + b0), acc);
+    }
+    Lanes lanes;
+    _mm512_store_ps(lanes.v, acc);
+    if (b0 < blocks)  // the tail, lane for lane as offsets_term
+        for (int l = 0; l < LANES; l++) {
+            const float o = b0 + l < blocks ? (float)offsets[b0 + l] : 0.0f;
+            lanes.v[l] = std::fma(o, x.block_sum[b0 + l], lanes.v[l]);
+        }
+    return tree_sum(lanes);
+}
+#endif
+
+// y rows m0..m0+ROWS-1, outputs n0..n1-1.
 template <typename S, int ROWS>
-static void q4_pass(const float *x, int64_t K, const uint8_t *codes, const S *scales, const S *offsets, int64_t n0,
-                    int64_t n1, int64_t N, float *y) {
-    const int64_t num_groups = K / 32;
+void q4_pass(const Row *rows, int64_t K, const uint8_t *codes, const S *scales, const S *offsets, int64_t n0, int64_t n1,
+             int64_t N, float *y) {
+    const int64_t full = K / CHUNK, chunks = (K + CHUNK - 1) / CHUNK, groups = K / BLOCK;
     for (int64_t n = n0; n < n1; n++) {
-        f32x16 acc_lo[ROWS], acc_hi[ROWS];  // two chains per row: the FMA latency, not the loads, bounds one row
-        for (int r = 0; r < ROWS; r++) acc_lo[r] = acc_hi[r] = f32x16{};
-        const uint8_t *c = codes + n * (K / 2);
-        const S *sc = scales + n * num_groups;
-        const S *of = offsets + n * num_groups;
-        for (int64_t g = 0; g < num_groups; g++) {
-            u8x16 raw;
-            std::memcpy(&raw, c + g * 16, 16);
-            const float s = (float)sc[g], o = (float)of[g];
-            const f32x16 lo = u8_to_float(raw & 15) * s + o;
-            const f32x16 hi = u8_to_float(raw >> 4) * s + o;
+        const uint8_t *row = codes + n * (K / 2);
+        const S *sc = scales + n * groups;
+        Lanes lanes[ROWS];
+        int64_t c = 0;
+#if LOWBIT_VNNI
+        __m512 acc[ROWS];
+        for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+        const __m256i low = _mm256_set1_epi8(15);
+        const __m512i order = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+        for (; c < full; c++) {
+            _mm_prefetch((const char *)(row + PREFETCH_ROWS * (K / 2) + c * 32), _MM_HINT_T0);
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(row + c * 32));
+            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            const __m512i w = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order, _mm512_castsi256_si512(hi));
+            const __m512 ws = chunk_scales<S, 2>(sc + 2 * c);
             for (int r = 0; r < ROWS; r++) {
-                const float *xr = x + r * K + g * 32;
-                acc_lo[r] += lo * load16(xr);
-                acc_hi[r] += hi * load16(xr + 16);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(rows[r].q + c * CHUNK));
+                const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(rows[r].lane_scale + c * LANES));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
             }
         }
-        for (int r = 0; r < ROWS; r++) y[r * N + n] = tree_sum(acc_lo[r] + acc_hi[r]);
+        for (int r = 0; r < ROWS; r++) _mm512_store_ps(lanes[r].v, acc[r]);
+#else
+        for (int r = 0; r < ROWS; r++) lanes[r] = Lanes{};
+#endif
+        for (; c < chunks; c++)
+            for (int r = 0; r < ROWS; r++) chunk_portable<S, BLOCK>(lanes[r], row, sc, rows[r], c, K, q4_code);
+        for (int r = 0; r < ROWS; r++) {
+#if LOWBIT_VNNI
+            const float off = offsets_term_vnni(offsets + n * groups, rows[r], K);
+#else
+            const float off = offsets_term(offsets + n * groups, rows[r], K);
+#endif
+            y[r * N + n] = tree_sum(lanes[r]) + off;
+        }
     }
 }
 
 template <typename S, int G, int ROWS>
-static void q8_pass(const float *x, int64_t K, const int8_t *codes, const S *scales, int64_t n0, int64_t n1, int64_t N,
-                    float *y) {
+void q8_pass(const Row *rows, int64_t K, const int8_t *codes, const S *scales, int64_t n0, int64_t n1, int64_t N,
+             float *y) {
+    const int64_t full = K / CHUNK, chunks = (K + CHUNK - 1) / CHUNK;
     for (int64_t n = n0; n < n1; n++) {
-        f32x16 acc_a[ROWS], acc_b[ROWS];  // inputs j..j+15 and j+16..j+31 of every 32: two chains
-        for (int r = 0; r < ROWS; r++) acc_a[r] = acc_b[r] = f32x16{};
-        const int8_t *c = codes + n * K;
+        const int8_t *row = codes + n * K;
         const S *sc = scales + n * (K / G);
-        for (int64_t j = 0; j < K; j += 32) {
-            i8x16 raw_a, raw_b;
-            std::memcpy(&raw_a, c + j, 16);
-            std::memcpy(&raw_b, c + j + 16, 16);
-            const f32x16 wa = i8_to_float(raw_a) * (float)sc[j / G];
-            const f32x16 wb = i8_to_float(raw_b) * (float)sc[(j + 16) / G];
+        Lanes lanes[ROWS];
+        int64_t c = 0;
+#if LOWBIT_VNNI
+        __m512 acc[ROWS];
+        for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+        for (; c < full; c++) {
+            _mm_prefetch((const char *)(row + PREFETCH_ROWS * K + c * CHUNK), _MM_HINT_T0);
+            const __m512i w = _mm512_loadu_si512(row + c * CHUNK);
+            const __m512i magnitude = _mm512_abs_epi8(w);  // u8 x s8: the weight's sign moves onto the activation
+            const __mmask64 negative = _mm512_movepi8_mask(w);
+            const __m512 ws = chunk_scales<S, CHUNK / G>(sc + c * (CHUNK / G));
             for (int r = 0; r < ROWS; r++) {
-                acc_a[r] += wa * load16(x + r * K + j);
-                acc_b[r] += wb * load16(x + r * K + j + 16);
+                const __m512i xq = _mm512_loadu_si512(rows[r].q + c * CHUNK);
+                const __m512i signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_x);
+                const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(rows[r].lane_scale + c * LANES));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
             }
         }
-        for (int r = 0; r < ROWS; r++) y[r * N + n] = tree_sum(acc_a[r] + acc_b[r]);
+        for (int r = 0; r < ROWS; r++) _mm512_store_ps(lanes[r].v, acc[r]);
+#else
+        for (int r = 0; r < ROWS; r++) lanes[r] = Lanes{};
+#endif
+        for (; c < chunks; c++)
+            for (int r = 0; r < ROWS; r++) chunk_portable<S, G>(lanes[r], row, sc, rows[r], c, K, q8_code);
+        for (int r = 0; r < ROWS; r++) y[r * N + n] = tree_sum(lanes[r]);
     }
 }
 
-// Rows in passes of up to 8 (registers hold 2 x 8 accumulators); output rows split across threads in
-// contiguous static chunks, so each thread streams its part of the weight once per pass.
+// Rows in passes of up to 8 (the weight chunk is decoded once per pass). Output rows are split across threads in
+// contiguous static chunks, and each thread walks its chunk in blocks of 32 outputs, running every pass over a
+// block before the next: a block's weights (at most tens of KB) stay in cache however many rows the call has,
+// so a prompt of hundreds of tokens costs one read of the weight.
 template <typename Pass>
-static void over_rows(int64_t M, int64_t N, int num_threads, Pass pass) {
+void over_rows(const Quantized &xq, int64_t M, int64_t N, int num_threads, Pass pass) {
+    constexpr int64_t OUTPUT_BLOCK = 32;
+    std::vector<Row> rows(M);
+    for (int64_t m = 0; m < M; m++) rows[m] = xq.row(m);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int t = 0; t < num_threads; t++) {
         const int64_t n0 = N * t / num_threads, n1 = N * (t + 1) / num_threads;
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            switch (M - m0 < 8 ? M - m0 : 8) {
-                case 1: pass.template operator()<1>(m0, n0, n1); break;
-                case 2: pass.template operator()<2>(m0, n0, n1); break;
-                case 3: pass.template operator()<3>(m0, n0, n1); break;
-                case 4: pass.template operator()<4>(m0, n0, n1); break;
-                case 5: pass.template operator()<5>(m0, n0, n1); break;
-                case 6: pass.template operator()<6>(m0, n0, n1); break;
-                case 7: pass.template operator()<7>(m0, n0, n1); break;
-                default: pass.template operator()<8>(m0, n0, n1); break;
+        for (int64_t b0 = n0; b0 < n1; b0 += OUTPUT_BLOCK) {
+            const int64_t b1 = b0 + OUTPUT_BLOCK < n1 ? b0 + OUTPUT_BLOCK : n1;
+            for (int64_t m0 = 0; m0 < M; m0 += 8) {
+                const Row *r = rows.data() + m0;
+                switch (M - m0 < 8 ? M - m0 : 8) {
+                    case 1: pass.template operator()<1>(r, m0, b0, b1); break;
+                    case 2: pass.template operator()<2>(r, m0, b0, b1); break;
+                    case 3: pass.template operator()<3>(r, m0, b0, b1); break;
+                    case 4: pass.template operator()<4>(r, m0, b0, b1); break;
+                    case 5: pass.template operator()<5>(r, m0, b0, b1); break;
+                    case 6: pass.template operator()<6>(r, m0, b0, b1); break;
+                    case 7: pass.template operator()<7>(r, m0, b0, b1); break;
+                    default: pass.template operator()<8>(r, m0, b0, b1); break;
+                }
             }
         }
     }
 }
 
 template <typename S>
-static void q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const S *scales, const S *offsets,
-                      int64_t N, float *y, int num_threads) {
-    over_rows(M, N, num_threads, [&]<int ROWS>(int64_t m0, int64_t n0, int64_t n1) {
-        q4_pass<S, ROWS>(x + m0 * K, K, codes, scales, offsets, n0, n1, N, y + m0 * N);
+void q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const S *scales, const S *offsets, int64_t N,
+               float *y, int num_threads) {
+    const Quantized xq(x, M, K);
+    over_rows(xq, M, N, num_threads, [&]<int ROWS>(const Row *rows, int64_t m0, int64_t n0, int64_t n1) {
+        q4_pass<S, ROWS>(rows, K, codes, scales, offsets, n0, n1, N, y + m0 * N);
     });
 }
 
 template <typename S, int G>
-static void q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *codes, const S *scales, int64_t N, float *y,
-                      int num_threads) {
-    over_rows(M, N, num_threads, [&]<int ROWS>(int64_t m0, int64_t n0, int64_t n1) {
-        q8_pass<S, G, ROWS>(x + m0 * K, K, codes, scales, n0, n1, N, y + m0 * N);
+void q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *codes, const S *scales, int64_t N, float *y,
+               int num_threads) {
+    const Quantized xq(x, M, K);
+    over_rows(xq, M, N, num_threads, [&]<int ROWS>(const Row *rows, int64_t m0, int64_t n0, int64_t n1) {
+        q8_pass<S, G, ROWS>(rows, K, codes, scales, n0, n1, N, y + m0 * N);
     });
 }
 
+}  // namespace
+
 // The C entry points (ctypes): q4 with fp16 or fp32 scales and offsets; q8 with groups of 16 or 32.
 extern "C" {
+int lowbit_has_vnni() { return LOWBIT_VNNI; }
 void lowbit_q4_f16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const _Float16 *scales,
                    const _Float16 *offsets, int64_t N, float *y, int num_threads) {
     q4_matmul<_Float16>(x, M, K, codes, scales, offsets, N, y, num_threads);
@@ -156,5 +327,9 @@ void lowbit_q8g32_f32(const float *x, int64_t M, int64_t K, const int8_t *codes,
 void lowbit_q8g16_f32(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scales, int64_t N,
                       float *y, int num_threads) {
     q8_matmul<float, 16>(x, M, K, codes, scales, N, y, num_threads);
+}
+void lowbit_q8g16_f16(const float *x, int64_t M, int64_t K, const int8_t *codes, const _Float16 *scales, int64_t N,
+                      float *y, int num_threads) {
+    q8_matmul<_Float16, 16>(x, M, K, codes, scales, N, y, num_threads);
 }
 }

@@ -20,16 +20,18 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from specmesh.models.lowbit.qweight import QuantWeight
 
-SOURCE = Path(__file__).with_name("kernel.cpp")
+SOURCES = [Path(__file__).with_name("kernel.cpp"), Path(__file__).with_name("attention.cpp")]
 FLAGS = ["-std=c++20", "-O3", "-fopenmp", "-shared", "-fPIC"]
 ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])  # the second try is for compilers without -march=native
 ENV_KERNEL = "SPECMESH_LOWBIT_KERNEL"  # "torch" forces the fallback
+ACTIVATION_BLOCK = 32  # inputs per activation scale (kernel.cpp's BLOCK)
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -38,6 +40,8 @@ _SIGNATURES = {
     "lowbit_q8g32_f16": [_P, _I64, _I64, _P, _P, _I64, _P, _INT],
     "lowbit_q8g32_f32": [_P, _I64, _I64, _P, _P, _I64, _P, _INT],
     "lowbit_q8g16_f32": [_P, _I64, _I64, _P, _P, _I64, _P, _INT],
+    "lowbit_q8g16_f16": [_P, _I64, _I64, _P, _P, _I64, _P, _INT],
+    "lowbit_attention": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _I64, _P, ctypes.c_float, _P, _INT],
 }
 
 
@@ -56,11 +60,12 @@ def _compiler_version(compiler: str) -> str:
     return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else ""
 
 
-def _build(compiler: str, cache_dir: Path) -> Path:
-    source = SOURCE.read_bytes()
+def build(compiler: str, cache_dir: Path, arch_flags: tuple[list[str], ...] = ARCH_FLAGS) -> Path:
+    """The shared library for the first of `arch_flags` the compiler accepts (cached by content hash)."""
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     version = _compiler_version(compiler)
     errors = []
-    for arch in ARCH_FLAGS:
+    for arch in arch_flags:
         flags = FLAGS + arch
         key = hashlib.sha1(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_flags().encode()])).hexdigest()[:16]
         library = cache_dir / f"lowbit-{key}.so"
@@ -69,13 +74,13 @@ def _build(compiler: str, cache_dir: Path) -> Path:
         cache_dir.mkdir(parents=True, exist_ok=True)
         handle, staging = tempfile.mkstemp(prefix=".lowbit-", suffix=".so", dir=cache_dir)
         os.close(handle)
-        result = subprocess.run([compiler, *flags, "-o", staging, str(SOURCE)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, "-o", staging, *map(str, SOURCES)], capture_output=True, text=True)
         if result.returncode == 0:
             os.replace(staging, library)
             return library
         os.unlink(staging)
         errors.append(result.stderr.strip().splitlines()[-1:] or ["failed"])
-    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors}")
+    raise RuntimeError(f"{compiler} could not build {', '.join(p.name for p in SOURCES)}: {errors}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,13 +94,19 @@ def library() -> ctypes.CDLL | None:
     try:
         if shutil.which(compiler) is None:
             raise RuntimeError(f"no C++ compiler {compiler!r} on PATH")
-        lib = ctypes.CDLL(str(_build(compiler, specmesh_home() / "kernels")))
+        return load(build(compiler, specmesh_home() / "kernels"))
     except (OSError, RuntimeError) as exc:
         warnings.warn(f"low-bit kernel unavailable, using the slow torch fallback: {exc}", RuntimeWarning, stacklevel=2)
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built kernel library with its entry points typed."""
+    lib = ctypes.CDLL(str(path))
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
+    lib.lowbit_has_vnni.restype = ctypes.c_int
     return lib
 
 
@@ -107,28 +118,84 @@ def _entry(lib: ctypes.CDLL, weight: QuantWeight):
     return getattr(lib, name) if name in _SIGNATURES else None
 
 
-def fused_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor | None:
-    """x: float32 [M, in] -> [M, out] through the compiled kernel, or None when it cannot serve the call."""
-    lib = library()
-    if lib is None or x.device.type != "cpu" or x.dtype != torch.float32:
-        return None
-    entry = _entry(lib, weight)
+def bind_matmul(weight: QuantWeight, lib: ctypes.CDLL | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """x: float32 [M, in] -> [M, out] through the compiled kernel (`lib`, default the cached build), with the
+    entry point and the weight's pointers resolved once; None when the kernel cannot serve this weight."""
+    lib = lib or library()
+    entry = None if lib is None or weight.codes.device.type != "cpu" else _entry(lib, weight)
     if entry is None:
         return None
-    x = x.contiguous()
-    num_rows = x.shape[0]
-    y = torch.empty(num_rows, weight.out_features, dtype=torch.float32)
-    threads = torch.get_num_threads()
+    in_features, out_features = weight.in_features, weight.out_features
+    pointers = [weight.codes.data_ptr(), weight.scales.data_ptr()]
+    held = (weight.codes, weight.scales, weight.offsets)
     if weight.layout == "q4":
         assert weight.offsets is not None
-        entry(x.data_ptr(), num_rows, weight.in_features, weight.codes.data_ptr(), weight.scales.data_ptr(),
-              weight.offsets.data_ptr(), weight.out_features, y.data_ptr(), threads)
-    else:
-        entry(x.data_ptr(), num_rows, weight.in_features, weight.codes.data_ptr(), weight.scales.data_ptr(),
-              weight.out_features, y.data_ptr(), threads)
-    return y
+        pointers.append(weight.offsets.data_ptr())
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        assert held  # the closure holds the weight's tensors, so the pointers stay valid
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        entry(x.data_ptr(), x.shape[0], in_features, *pointers, out_features, y.data_ptr(), torch.get_num_threads())
+        return y
+
+    return matmul
+
+
+def fused_matmul(x: torch.Tensor, weight: QuantWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
+    """One call through the compiled kernel, or None when it cannot serve it (see `bind_matmul`)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    matmul = bind_matmul(weight, lib)
+    return None if matmul is None else matmul(x)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with each row's blocks of 32 rounded to int8 codes times one scale (what the kernel multiplies).
+
+    Per block: d = max|x| / 127, q = round(x * (127 / max|x|)) clamped to -127..127 (0 for an all-zero block);
+    returns d * q in float32. The operations match kernel.cpp's, so the kernel's integer dot products meet the
+    same codes.
+    """
+    rows, inputs = x.shape
+    blocks = x.float().reshape(rows, inputs // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    scale = amax / 127.0
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inverse).clamp_(-127.0, 127.0)
+    return (codes * scale).reshape(rows, inputs)
 
 
 def reference_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """Dequantize, then `F.linear`: the fallback, and the prefill path (many rows)."""
-    return torch.nn.functional.linear(x, weight.dequantize().to(x.dtype))
+    """The kernel's numbers with sgemm: quantize the activations, dequantize the weight, `F.linear`.
+
+    Equal to the kernel up to float rounding; the fallback without a compiler, and the prefill path (many rows).
+    """
+    return torch.nn.functional.linear(quantize_activations(x), weight.dequantize()).to(x.dtype)
+
+
+def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_slots: torch.Tensor | None,
+                        first_slot: int, num_keys: int, mask: torch.Tensor | None, max_new: int,
+                        rows: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """attention.cpp over the cache layer: q [N, heads, head_dim] float32 (rows may be strided) -> [N, heads *
+    head_dim]; None when the compiled library is unavailable.
+
+    keys, values: [slots, kv_heads, head_dim]; key_slots [B, num_keys] (None: first_slot + j); mask [B, 1,
+    max_new, num_keys] bool (None: every key visible); rows [N] the padded row b * max_new + t of each query
+    (None: one sequence, no padding).
+    """
+    lib = library()
+    if lib is None or q.device.type != "cpu" or q.dtype != torch.float32 or keys.dtype != torch.float32:
+        return None
+    num_rows, heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    assert keys.is_contiguous() and values.is_contiguous()
+    mask = None if mask is None else mask.contiguous()
+    key_slots = None if key_slots is None else key_slots.contiguous()
+    rows = None if rows is None else rows.contiguous()
+    out = torch.empty(num_rows, heads * head_dim, dtype=torch.float32)
+    lib.lowbit_attention(q.data_ptr(), num_rows, q.stride(0), heads, keys.shape[1], head_dim, keys.data_ptr(),
+                         values.data_ptr(), None if key_slots is None else key_slots.data_ptr(), first_slot, num_keys,
+                         None if mask is None else mask.data_ptr(), max_new, None if rows is None else rows.data_ptr(),
+                         scale, out.data_ptr(), torch.get_num_threads())
+    return out
