@@ -22,8 +22,13 @@
    accepted tokens by position), from the tables of step 1. The Draft and Verify processes share
    one host of `--cores` cores (this machine's count by default), each asking `--threads` of them
    per forward (processor sharing, specmesh/sim/servers.py): with 1 thread each on 2 cores their
-   forwards run side by side, as live. Three host variants: the cores are the cluster's alone; plus
-   the other load's measured CPU use as background threads; plus its measured runnable threads
+   forwards run side by side, as live. Host variants, the main one first: the Coordinator's and the
+   bench client's CPU on the host's cores (`coordinator` / `clients` in the sim config), at the CPU
+   per message measured in the level: the process's utime + stime (/proc/<pid>/stat), less its rate
+   with no request (5 s before the levels), over the messages it handled (the Coordinator: 2 per Draft / Verify session call, from the services'
+   metrics, + the client's; the client: its request, the first token and one response per Verify
+   round, per request), not fitted; then, without them: the cores are the cluster's alone; plus the
+   other load's measured CPU use as background threads; plus its measured runnable threads
    (demand). Per variant one parameter is fitted, on c = 1 only: the per-message latency
    (`network.same_node.latency_ms`: the gRPC + asyncio cost per hop, which no forward-time table
    holds), by bisection on tokens/s; c = 4 and 16 are predictions.
@@ -62,11 +67,22 @@ from specmesh.sim.cluster import Simulation  # noqa: E402
 from specmesh.sim.config import config_from_dict  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+IDLE_S = 5.0  # the cluster left idle this long before the levels: each process's CPU without requests
 
 
 def nearest_rank(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)] if ordered else float("nan")
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (utime + stime, every thread) of a live process so far; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:
@@ -82,15 +98,7 @@ class CpuMeter:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
         busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-        ours = 0
-        for pid in self.pids:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    stat = f.read().rsplit(")", 1)[1].split()
-                ours += int(stat[11]) + int(stat[12])  # utime, stime (every thread)
-            except OSError:
-                pass
-        return time.perf_counter(), busy / self.HZ, ours / self.HZ
+        return time.perf_counter(), busy / self.HZ, sum(process_cpu_s(pid) for pid in self.pids)
 
     def start(self) -> None:
         self._start = self._read()
@@ -129,10 +137,12 @@ class RunnableSampler:
         return count
 
     def _run(self) -> None:
+        start_cpu_s = time.thread_time()
         while not self._stop.wait(self.period_s):
             with open("/proc/stat") as f:
                 running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
             self._samples.append((running, self._ours_running()))
+        self._cpu_s = time.thread_time() - start_cpu_s  # its own CPU, not the bench client's
 
     def start(self) -> None:
         self._samples, self._stop = [], threading.Event()
@@ -145,7 +155,8 @@ class RunnableSampler:
         self._thread.join()
         n = max(1, len(self._samples))
         return {"others_runnable": sum(max(0, r - 1 - o) for r, o in self._samples) / n,
-                "services_runnable": sum(o for _, o in self._samples) / n, "num_samples": len(self._samples)}
+                "services_runnable": sum(o for _, o in self._samples) / n, "num_samples": len(self._samples),
+                "sampler_cpu_s": self._cpu_s}
 
 
 def profile_tables(folder: str, threads: int, max_prompt: int, max_new: int, max_rows: int, out_dir: Path) -> tuple[dict[str, str], dict]:
@@ -205,9 +216,11 @@ def round_counts(num_rounds: int, accepted_per_position: str, seed: int) -> list
     return out
 
 
-def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float, background_threads: float) -> dict:
+def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float, background_threads: float,
+               cpu_ms_per_message: dict[str, float] | None = None) -> dict:
     """The level as run: its clients, its requests in start order (sizes and, where recorded, each one's
-    accepted counts per round), one host of `out["cores"]` cores with `background_threads` of other load."""
+    accepted counts per round), one host of `out["cores"]` cores with `background_threads` of other load
+    and, with `cpu_ms_per_message` ({"coordinator": ms, "clients": ms}), those processes' CPU on it."""
     requests = level["requests"]
     speculation: dict = {"k": out["k"], "acceptance_marginal": level["acceptance_marginal"] or [0.0]}
     if all(r["rounds"] for r in requests):
@@ -222,6 +235,7 @@ def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float
         "drafts": [{"count": 1, "device": "draft", "node": "host", "host": "localhost", "threads": threads}],
         "hosts": {"localhost": {"cores": out["cores"], "background_threads": background_threads}},
         "network": {"coordinator_node": "host", "same_node": {"latency_ms": latency_ms}, "client": {"latency_ms": latency_ms}},
+        **{name: {"host": "localhost", "cpu_ms_per_message": ms} for name, ms in (cpu_ms_per_message or {}).items()},
         "speculation": speculation,
         "workload": {"arrival": "closed", "num_clients": level["clients"], "num_requests_per_client": out["requests_per_client"],
                      "prompt_tokens": {"sequence": [r["prompt_tokens"] for r in requests]},
@@ -244,7 +258,32 @@ def simulate_level(config: dict) -> dict:
             "draft_batch_ms_mean": devices["draft"].busy_s / max(1, devices["draft"].num_batches) * 1e3,
             "verify_batch_ms_mean": devices["target"].busy_s / max(1, devices["target"].num_jobs) * 1e3,
             "draft_rows_mean": devices["draft"].mean_batch_rows, "verify_rows_mean": devices["target"].mean_batch_rows,
-            "core_utilisation": result.summary["hosts"]["localhost"]["core_utilisation"] * result.summary["window_s"] / makespan}
+            "core_utilisation": result.summary["hosts"]["localhost"]["core_utilisation"] * result.summary["window_s"] / makespan,
+            **{f"{name}_cores": process["cpu_s"] / makespan for name, process in result.summary["processes"].items()}}
+
+
+def messages_handled(level: dict) -> dict[str, int]:
+    """The messages the bench client and the Coordinator handled in a live level, counted as the
+    simulator counts them (specmesh/sim/cluster.py): the client, per request, its request, the first
+    token and one response per Verify round; the Coordinator, the client's plus a request and a
+    response per Draft / Verify session call (OpenSession, Propose, Verify, CloseSession; not the
+    pools' GetInfo health checks)."""
+    services = level["services"]
+    calls = sum(count for service in services.values() for key, count in service.items()
+                if key.endswith("_calls") and not key.startswith("GetInfo"))
+    client = 2 * level["num_requests"] + int(services["verify"]["Verify_calls"])
+    return {"clients": client, "coordinator": int(2 * calls) + client}
+
+
+def cpu_ms_per_message(level: dict, idle_cores: dict[str, float]) -> dict[str, float]:
+    """Measured, per level: the Coordinator's and the bench client's CPU (/proc utime + stime; the
+    bench's less its /proc sampler thread), less what the process burns idle over the level's wall
+    time (health checks, timers: not per message), over the messages each handled."""
+    cpu_s, messages, wall_s = level["cpu"]["process_cpu_s"], messages_handled(level), level["wall_s"]
+    coordinator_s = cpu_s["coordinator"] - idle_cores.get("coordinator", 0.0) * wall_s
+    client_s = cpu_s["bench"] - level["cpu"]["sampler_cpu_s"] - idle_cores.get("bench", 0.0) * wall_s
+    return {"coordinator": max(0.0, coordinator_s) / messages["coordinator"] * 1e3,
+            "clients": max(0.0, client_s) / messages["clients"] * 1e3}
 
 
 def fit_latency(make_config, target_tokens_per_s: float, high: float = 500.0) -> float:
@@ -348,14 +387,21 @@ def main() -> int:
             metrics_urls = {spec.name: spec.metrics_url for spec in cluster.specs if spec.kind in ("draft", "verify")}
             meter = CpuMeter([os.getpid(), *(proc.pid for proc in cluster.processes.values())])
             sampler = RunnableSampler([cluster.processes[name].pid for name in ("draft", "verify")])
+            pids = {**{name: proc.pid for name, proc in cluster.processes.items()}, "bench": os.getpid()}
             asyncio.run(live_level(address, prompts, 1, 1, args.k, 8))  # warm-up
+            idle_before, idle_start = {name: process_cpu_s(pid) for name, pid in pids.items()}, time.perf_counter()
+            time.sleep(IDLE_S)  # the processes' CPU with no request: health checks, timers (not per message)
+            idle_wall_s = time.perf_counter() - idle_start
+            out["idle_cores"] = {name: (process_cpu_s(pid) - idle_before[name]) / idle_wall_s for name, pid in pids.items()}
             for c in args.concurrency:
                 before = {name: scrape(url) for name, url in metrics_urls.items()}
                 load_before = os.getloadavg()[0]
+                cpu_before = {name: process_cpu_s(pid) for name, pid in pids.items()}
                 meter.start()
                 sampler.start()
                 rows, wall_s = asyncio.run(live_level(address, prompts, c, args.requests_per_client, args.k, args.max_new_tokens))
                 cpu = {**meter.stop(), **sampler.stop()}
+                cpu["process_cpu_s"] = {name: process_cpu_s(pid) - cpu_before[name] for name, pid in pids.items()}
                 services = {name: service_means(before[name], scrape(url)) for name, url in metrics_urls.items()}
                 done = [r for r in rows if not r.error]
                 per_position: list[int] = []
@@ -386,13 +432,63 @@ def main() -> int:
 
 
 VARIANTS = {  # how the simulated host sees the rest of the machine's load (everything but the services' forwards)
-    "alone": "the host's cores are the cluster's alone",
+    "process_cpu": "the Coordinator's and the bench client's CPU on the host's cores, at their CPU per message measured in "
+                   "each level (/proc utime + stime over the messages handled; not fitted)",
+    "alone": "the host's cores are the cluster's alone (the Coordinator's and the client's CPU only in the per-message latency)",
     "measured_load": "plus the other users' CPU use during the level (/proc: all busy CPU less the cluster's and the bench's) as background threads",
     "measured_demand": "plus the other load's demand during the level (runnable threads not of the Draft / Verify services, "
                        "sampled every 0.2 s) as background threads",
     "fitted_background": "DIAGNOSTIC, not the issue's protocol: the per-message latency measured at c = 1 (live round - Propose - "
                          "Verify, over 4 messages) and the background threads fitted at c = 1 instead, held for c = 4 and 16",
 }
+
+
+def process_cpu_table(out: dict, result: dict) -> list[str]:
+    """The main variant's measured inputs, and the CPU each process got live and in the sim."""
+    idle = out.get("idle_cores", {})
+    idle_note = (f"; ms per message is net of the process's idle CPU (over {IDLE_S:.0f} s with no request before the levels: "
+                 f"Coordinator {idle.get('coordinator', 0.0):.3f} cores, bench {idle.get('bench', 0.0):.3f})" if idle else "")
+    lines = ["The processes' CPU (/proc utime + stime over the level; cores = CPU s / the level's wall time). Messages are counted "
+             f"as the simulator counts them (`messages_handled`){idle_note}; the sim's cores are its jobs' CPU over its makespan. "
+             "Draft + Verify: the two service processes' whole CPU live, against the sim's forwards alone (the rest of the host's "
+             "busy cores).", "",
+             "| clients | Coordinator CPU s / messages | ms per message | Coordinator cores live / sim | bench client CPU s / messages | "
+             "ms per message | client cores live / sim | Draft + Verify cores live / sim forwards |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for a, lv in zip(out["live"], result["levels"]):
+        cpu, b, ms, messages = a["cpu"], lv["sim"], lv["cpu_ms_per_message"], messages_handled(a)
+        coordinator_s, client_s = cpu["process_cpu_s"]["coordinator"], cpu["process_cpu_s"]["bench"] - cpu["sampler_cpu_s"]
+        services_cores = (cpu["process_cpu_s"]["draft"] + cpu["process_cpu_s"]["verify"]) / a["wall_s"]
+        forwards_cores = b["core_utilisation"] * out["cores"] - b.get("coordinator_cores", 0.0) - b.get("clients_cores", 0.0)
+        lines.append(f"| {a['clients']} | {coordinator_s:.2f} / {messages['coordinator']} | {ms['coordinator']:.2f} | "
+                     f"{coordinator_s / a['wall_s']:.2f} / {b.get('coordinator_cores', 0.0):.2f} | {client_s:.2f} / {messages['clients']} | "
+                     f"{ms['clients']:.2f} | {client_s / a['wall_s']:.2f} / {b.get('clients_cores', 0.0):.2f} | "
+                     f"{services_cores:.2f} / {forwards_cores:.2f} |")
+    return [*lines, ""]
+
+
+def process_cpu_reading(out: dict) -> list[str]:
+    """What the main variant's measurements say, in figures of this run."""
+    if "process_cpu" not in out["variants"]:
+        return []
+    live, levels = out["live"], out["variants"]["process_cpu"]["levels"]
+    per_message = [lv["cpu_ms_per_message"]["coordinator"] for lv in levels]
+    cores = [(a["cpu"]["process_cpu_s"]["coordinator"] + a["cpu"]["process_cpu_s"]["bench"] - a["cpu"]["sampler_cpu_s"]) / a["wall_s"]
+             for a in live]
+    services = [(a["cpu"]["process_cpu_s"]["draft"] + a["cpu"]["process_cpu_s"]["verify"]) / a["wall_s"] for a in live]
+    forwards = [lv["sim"]["core_utilisation"] * out["cores"] - lv["sim"].get("coordinator_cores", 0.0) - lv["sim"].get("clients_cores", 0.0)
+                for lv in levels]
+    top = live[-1]["clients"]
+    return [f"The main variant puts the Coordinator's and the bench client's CPU on the host, as measured: the Coordinator "
+            f"{min(per_message):.2f}-{max(per_message):.2f} ms per message, and the two processes together "
+            f"{min(cores):.2f}-{max(cores):.2f} of the {out['cores']} cores over the levels. That is too little to be the missing "
+            f"contention at c = {top}: the per-message cost is mostly wall time that is not these processes' CPU (the fitted residual "
+            f"latency, {out['variants']['process_cpu']['fitted_latency_ms']:.2f} ms, against "
+            f"{out['variants']['alone']['fitted_latency_ms']:.2f} ms without them), and what the variant adds is mostly the queueing "
+            "of messages on the Coordinator's one thread. Nor does the sim under-count the services' CPU: the Draft and Verify "
+            f"processes' whole CPU live at c = {top} is {services[-1]:.2f} cores, the sim's forwards {forwards[-1]:.2f}. What is "
+            f"left at c = {top} (the sim's mean round {levels[-1]['error']['round_ms_mean']:+.0%} against live) these "
+            "measurements do not locate.", ""]
 
 
 def compare(out: dict) -> None:
@@ -408,6 +504,12 @@ def compare(out: dict) -> None:
             key = {"measured_load": "others_cores", "measured_demand": "others_runnable"}.get(variant)
             if key is not None and not all(key in level.get("cpu", {}) for level in live):
                 continue
+            if variant == "process_cpu" and not all("process_cpu_s" in level.get("cpu", {}) for level in live):
+                continue  # a results file from before the processes' CPU was measured
+
+            def processes(level: dict, variant: str = variant) -> dict[str, float] | None:
+                return cpu_ms_per_message(level, out.get("idle_cores", {})) if variant == "process_cpu" else None
+
             fitted_background = 0.0
             if variant == "fitted_background":
                 if "Propose_ms_mean" not in live[0]["services"].get("draft", {}):
@@ -422,13 +524,14 @@ def compare(out: dict) -> None:
                 return level["cpu"][key] if key is not None else fitted_background
 
             if variant != "fitted_background":
-                latency_ms = fit_latency(lambda ms: sim_config(out, tables, live[0], ms, background(live[0])), live[0]["tokens_per_s"])
+                latency_ms = fit_latency(lambda ms: sim_config(out, tables, live[0], ms, background(live[0]), processes(live[0])),
+                                         live[0]["tokens_per_s"])
             levels = []
             for level in live:
-                sim = simulate_level(sim_config(out, tables, level, latency_ms, background(level)))
+                sim = simulate_level(sim_config(out, tables, level, latency_ms, background(level), processes(level)))
                 errors = {key: sim[key] / level[key] - 1 for key in ("tokens_per_s", "p50_s", "p95_s", "ttft_p50_s", "round_ms_mean")}
                 levels.append({"clients": level["clients"], "background_threads": background(level), "sim": sim, "error": errors,
-                               "fitted_here": level is live[0]})
+                               "fitted_here": level is live[0], "cpu_ms_per_message": processes(level)})
             out["variants"][variant] = {"fitted_latency_ms": latency_ms, "levels": levels}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "sim_validate.json").write_text(json.dumps(out, indent=1) + "\n")
@@ -483,7 +586,9 @@ def compare(out: dict) -> None:
                          f"{draft.get('rows_per_batch_mean', float('nan')):.2f} / {b['draft_rows_mean']:.2f} | "
                          f"{verify.get('rows_per_batch_mean', float('nan')):.2f} / {b['verify_rows_mean']:.2f} | {b['core_utilisation']:.0%} |")
         lines.append("")
-    lines += ["## Reading the tables", "",
+        if variant == "process_cpu":
+            lines += process_cpu_table(out, result)
+    lines += ["## Reading the tables", "", *process_cpu_reading(out),
               "This machine is shared: other users' jobs ran throughout (their CPU use and runnable threads above). The kernel "
               "shares the cores between autogroups (/proc/sys/kernel/sched_autogroup_enabled = 1; the cluster starts each service "
               "in a session of its own), not between threads, so neither the others' CPU use (what they got: too little) nor "

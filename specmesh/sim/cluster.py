@@ -22,8 +22,16 @@ One request, as the Coordinator runs it (coordinator/driver.py over specmesh.dec
 Each service's forwards run on its own device, or on a shared host's cores (`hosts` in the config,
 `threads` per group: processor sharing, servers.py); the summary's `hosts` gives each host's cores
 and the share of them in use.
+The coordinator's and the clients' own CPU (`coordinator` / `clients` in the config, off by default):
+each message a process handles is a job on its one thread (FIFO), on a host's cores beside the
+forwards. The coordinator handles, per request: the Generate request, Draft.OpenSession (request and
+response), Verify.OpenSession (both), the first token out; per round: Propose (both; not when k = 0),
+Verify (both), the round's tokens out; at the end: Draft and Verify CloseSession (both each): 10 + 5
+per round in distributed mode, 6 + 3 per round in the others (no Draft). The tokens out are sent while the
+session goes on (the live Coordinator reads ahead); the client process handles the request it sends
+and each response it receives (2 + 1 per round), and a token counts as delivered once it has.
 Not modelled: KV admission limits, failures and failover, Skeleton-of-Thought, adaptive k, the CPU
-the services spend outside forwards (gRPC, asyncio: in the per-message latency, not on the cores).
+the Draft and Verify services spend outside forwards (gRPC, asyncio: in the per-message latency).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import simpy
 from specmesh.routing.registry import make_router
 from specmesh.routing.replica import Replica
 from specmesh.routing.replica_set import ReplicaSet
-from specmesh.sim.config import Link, SimConfig
+from specmesh.sim.config import Link, ProcessCpu, SimConfig
 from specmesh.sim.cost import CostModel, CostTable, LinearCost, RooflineCost, device_spec, model_dims
 from specmesh.sim.results import DeviceRecord, RequestRecord, SimResult, summarize
 from specmesh.sim.servers import DeviceEngine, DraftServer, Engine, Host, HostedEngine, NetLink, TargetServer, Window
@@ -62,6 +70,20 @@ def build_cost(config: SimConfig, device: str, role: str) -> CostModel:
     return RooflineCost(model_dims(model), device_spec(spec["roofline"]))
 
 
+class Process:
+    """A process outside the engines (the coordinator, the clients): one thread whose every message
+    handled costs `s_per_message` of CPU, as a job on its engine (a host's cores, or a core of its own)."""
+
+    def __init__(self, engine: Engine, s_per_message: float):
+        self.engine = engine
+        self.s_per_message = s_per_message
+        self.num_messages = 0  # handled inside the window
+
+    def run(self, num_messages: int, in_window: bool) -> simpy.Event:
+        self.num_messages += num_messages if in_window else 0
+        return self.engine.run(num_messages * self.s_per_message)
+
+
 class Simulation:
     def __init__(self, config: SimConfig):
         self.config = config
@@ -79,6 +101,8 @@ class Simulation:
         self._client_s_per_byte = 8.0 / (net.client.bandwidth_mbps * 1e6) if net.client.bandwidth_mbps > 0 else 0.0
 
         self.hosts: dict[str, Host] = {}
+        self.coordinator = self._process("coordinator", config.coordinator)
+        self.client_process = self._process("clients", config.clients)
         self.targets: dict[str, tuple[TargetServer, NetLink, float, CostModel | None]] = {}
         replicas = []
         for gi, group in enumerate(config.targets):
@@ -127,6 +151,52 @@ class Simulation:
             spec = self.config.hosts.get(host)
             self.hosts[host] = Host(self.env, host, self.config.host_cores(host), self.window, spec.background_threads if spec else 0.0)
         return HostedEngine(self.env, self.hosts[host], threads, self.window)
+
+    def _process(self, name: str, spec: ProcessCpu) -> Process | None:
+        """A process's one thread and its CPU per message; None when its CPU is not modelled."""
+        if spec.cpu_ms_per_message <= 0:
+            return None
+        return Process(self._engine(name, spec.host, 1), spec.cpu_ms_per_message / 1e3)
+
+    def _handle(self, process: Process | None, at_s: float, num_messages: int):
+        """`num_messages` reach `process` at `at_s` (now or later) and it handles them (one job, FIFO
+        on its thread); returns the time it is done. Without the process: at once, `at_s`."""
+        if process is None or not num_messages:
+            return at_s
+        if at_s > self.env.now:
+            yield self.env.timeout(at_s - self.env.now)
+        yield process.run(num_messages, self.env.now in self.window)
+        return self.env.now
+
+    def _to_client(self, record: RequestRecord, t_s: float, num_tokens: int, num_bytes: float, first: bool,
+                   last: bool) -> simpy.Process | None:
+        """The coordinator sends `num_tokens` to the client from `t_s`: they count once the client has
+        them (the first token: TTFT; `last`: the request's end). With a process's CPU modelled, its
+        job joins the coordinator's queue now (`t_s` is now: the response it answers was just handled)
+        and the returned process ends at delivery; else plain arithmetic, as without processes."""
+        if self.coordinator is None and self.client_process is None:
+            at_s = t_s + self._client_s(num_bytes)
+            self._emit(num_tokens, at_s)
+            if first:
+                record.first_token_s = at_s
+            return None
+        sent = self.coordinator.run(1, self.env.now in self.window) if self.coordinator is not None else None
+
+        def deliver():
+            if sent is not None:
+                yield sent
+            elif t_s > self.env.now:
+                yield self.env.timeout(t_s - self.env.now)
+            done_s = yield from self._handle(self.client_process, self.env.now + self._client_s(num_bytes), 1)
+            if done_s > self.env.now:
+                yield self.env.timeout(done_s - self.env.now)
+            self._emit(num_tokens, done_s)
+            if first:
+                record.first_token_s = done_s
+            if last:
+                record.end_s = done_s
+
+        return self.env.process(deliver())
 
     def _link(self, name: str, node: str) -> NetLink:
         net = self.config.network
@@ -195,6 +265,8 @@ class Simulation:
         record = RequestRecord(env.now, num_prompt, max_new_tokens)
         self.requests.append(record)
         own_trace = next(self._request_traces) if self._request_traces is not None else None  # in start order
+        coordinator = self.coordinator
+        yield from self._handle(self.client_process, env.now, 1)  # the client sends the request
         yield env.timeout(self._client_s(overhead + per_token * num_prompt))
         open_s = env.now
         replica = self.target_set.acquire()
@@ -214,13 +286,15 @@ class Simulation:
             record.draft = draft.name
             draft.num_sessions += 1  # Draft.OpenSession only records the prompt: the first Propose prefills it
 
+        # Generate, Draft.OpenSession (request, response), the Verify.OpenSession request
+        yield from self._handle(coordinator, env.now, 2 if draft is None else 4)
         yield env.timeout(link.send_down(env.now, overhead + per_token * num_prompt) - env.now)
         for job_ms in server.prefill_jobs_ms(num_prompt):
             yield server.run_job(job_ms / 1e3)
         server.num_sessions += 1
         t = link.send_up(env.now, overhead + per_token)
-        record.first_token_s = t + self._client_s(overhead + per_token)
-        self._emit(1, record.first_token_s)
+        t = yield from self._handle(coordinator, t, 1)  # the first token comes back
+        delivery = self._to_client(record, t, 1, overhead + per_token, True, max_new_tokens <= 1)
         generated, new_input = 1, 1  # tokens out; tokens emitted by the last round (what the drafter is told)
         draft_feed = num_prompt + 1  # what the drafter's next first forward feeds (ModelDrafter._absorb)
         k_max = config.speculation.k if mode != "autoregressive" else 0
@@ -230,11 +304,15 @@ class Simulation:
         while generated < max_new_tokens:
             k = min(k_max, max_new_tokens - generated - 1)
             context = num_prompt + generated
+            num_handled = 1  # before the Verify call goes out: its request
             if mode == "distributed" and k > 0:
                 assert draft is not None and draft_link is not None
+                t = yield from self._handle(coordinator, t, 1)  # the Propose request
                 yield env.timeout(draft_link.send_down(t, overhead + per_token * new_input) - env.now)
                 yield draft.propose(draft_feed, k, context - draft_feed)
                 t = draft_link.send_up(env.now, overhead + (per_token + q_bytes) * k)
+                num_handled = 2  # and the Propose response
+            t = yield from self._handle(coordinator, t, num_handled)
             yield env.timeout(link.send_down(t, overhead + (per_token + q_bytes) * k) - env.now)
             if mode == "fused" and k > 0:
                 draft_ms = k * fused_ms_per_token
@@ -260,18 +338,24 @@ class Simulation:
             record.num_draft_tokens += k
             record.num_accepted_tokens += num_accepted
             t = link.send_up(env.now, overhead + per_token * new_input)
-            self._emit(new_input, t + self._client_s(overhead + per_token * new_input))
+            t = yield from self._handle(coordinator, t, 1)  # the Verify response
+            delivery = self._to_client(record, t, new_input, overhead + per_token * new_input, False, generated >= max_new_tokens)
         server.num_sessions -= 1
         if draft is not None:
             draft.num_sessions -= 1
         record.num_output_tokens = generated
-        record.end_s = t + self._client_s(overhead + per_token)
+        if coordinator is not None:  # CloseSession (request, response) at the Verify and the Draft service, after the last reply
+            coordinator.run(2 if draft is None else 4, env.now in self.window)
+        if delivery is None:
+            record.end_s = t + self._client_s(overhead + per_token)
         if t > env.now:
             yield env.timeout(t - env.now)
         self.target_set.finish(replica, env.now - open_s, generated)
         if draft_replica is not None:
             self.draft_set.finish(draft_replica, env.now - open_s, generated)
-        if record.end_s > env.now:
+        if delivery is not None:
+            yield delivery  # sets end_s
+        elif record.end_s > env.now:
             yield env.timeout(record.end_s - env.now)
 
     # run
@@ -315,6 +399,9 @@ class Simulation:
             "sessions_per_target_max": self.max_sessions_per_target,
             "hosts": {name: {"cores": h.cores, "core_utilisation": h.core_utilisation()}
                       for name, h in self.hosts.items()},
+            "processes": {name: {"num_messages": p.num_messages, "cpu_s": p.num_messages * p.s_per_message,
+                                 "busy_s": p.engine.busy_s}  # busy: wall time with a job running (slowed when shared)
+                          for name, p in (("coordinator", self.coordinator), ("clients", self.client_process)) if p is not None},
             "virtual_s": self.config.duration_s,
             "wall_s": wall_s,
             "virtual_s_per_wall_s": self.config.duration_s / wall_s if wall_s > 0 else float("inf"),

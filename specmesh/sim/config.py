@@ -18,6 +18,13 @@ that (servers.py). `hosts: {NAME: {cores: 2, background_threads: 0.5}}` (the sec
 the machine, e.g. measured as its CPU use); a host not listed gets as many cores as its largest
 service has threads (services that each use every core: they share them as if taking turns).
 A group without `host:` has its device to itself.
+
+Processes outside the engines: `coordinator: {host: NAME, cpu_ms_per_message: 0.4}` and the same for
+`clients` (one process running every client, as `specmesh bench` does) put their CPU work on a host:
+each message the process handles (a request or response it sends or receives) is a job of that many
+ms of one core, FIFO on the process's one thread, sharing the host's cores with the forwards. No
+host: a core of its own (the work still queues). 0 (the default): not modelled, as before; the
+per-message cost then lives only in the link latency.
 """
 
 from __future__ import annotations
@@ -66,6 +73,12 @@ class DraftGroup:
 class HostSpec:
     cores: int = 1  # cores the forwards of this machine's services share (processor sharing past them)
     background_threads: float = 0.0  # other processes' runnable threads (a time average), sharing the cores alike
+
+
+@dataclass
+class ProcessCpu:
+    host: str = ""  # the host whose cores its one thread shares; "" = a core of its own
+    cpu_ms_per_message: float = 0.0  # CPU (ms of one core) per message it handles; 0 = not modelled
 
 
 @dataclass
@@ -127,6 +140,8 @@ class SimConfig:
     targets: list[TargetGroup] = field(default_factory=lambda: [TargetGroup()])
     drafts: list[DraftGroup] = field(default_factory=lambda: [DraftGroup()])
     hosts: dict[str, HostSpec] = field(default_factory=dict)  # host name -> its cores; see the module docstring
+    coordinator: ProcessCpu = field(default_factory=ProcessCpu)  # its CPU per message, on a host or not at all
+    clients: ProcessCpu = field(default_factory=ProcessCpu)  # the clients' process, likewise
     draft_assignment: str = "routed"  # routed: the draft_router picks per session | per_client: conversation i -> device i mod n
     network: Network = field(default_factory=Network)
     router: dict[str, Any] = field(default_factory=lambda: {"name": "jsq2"})
@@ -141,7 +156,7 @@ class SimConfig:
         if host in self.hosts:
             return self.hosts[host].cores
         groups: list[TargetGroup | DraftGroup] = [*self.targets, *self.drafts]
-        return max(g.threads for g in groups if g.host == host)
+        return max((g.threads for g in groups if g.host == host), default=1)  # else only 1-thread processes run there
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -165,9 +180,14 @@ class SimConfig:
             raise ValueError("a group with `host:` stands for one process on that host: count must be 1")
         if any(g.threads < 1 for g in groups) or any(h.cores < 1 or h.background_threads < 0 for h in self.hosts.values()):
             raise ValueError("threads and hosts' cores must be >= 1, background_threads >= 0")
-        unused = sorted(set(self.hosts) - {g.host for g in groups if g.host})
+        processes = {"coordinator": self.coordinator, "clients": self.clients}
+        for name, process in processes.items():
+            if process.cpu_ms_per_message < 0:
+                raise ValueError(f"{name}.cpu_ms_per_message must be >= 0, got {process.cpu_ms_per_message}")
+        named = {g.host for g in groups} | {p.host for p in processes.values() if p.cpu_ms_per_message > 0}
+        unused = sorted(set(self.hosts) - named)
         if unused:
-            raise ValueError(f"hosts {unused} are named by no target or draft group (`host:`)")
+            raise ValueError(f"hosts {unused} are named by no target or draft group nor a process with CPU (`host:`)")
         used = {g.device for g in self.targets} | {g.fused_draft_device for g in self.targets if g.fused_draft_device}
         if self.mode == "distributed":
             used |= {g.device for g in self.drafts}

@@ -23,6 +23,7 @@ Assumptions: a forward's time scales with the share of the cores it gets (exact 
 forwards time-sliced on a core; optimistic for multi-thread OpenMP teams that oversubscribe cores,
 which spin and lose more than their share); memory bandwidth and caches are not shared; the
 services' own non-forward CPU (gRPC, asyncio) is not on the host (it is in the per-message latency).
+The coordinator's and the clients' CPU can be (`Process` in cluster.py): 1-thread `HostedEngine` jobs.
 
 `BatchingServer.run` is `servicekit.batching.WindowBatcher._run` in virtual time: take calls first
 in, first out, up to `max_batch_cost` (at least one call); before each batch sleep `batch_window_ms`

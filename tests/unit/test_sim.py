@@ -267,5 +267,76 @@ def test_config_errors_name_the_key():
         config_from_dict(base_config(mode="cascade"))
     with pytest.raises(ValueError, match="named by no target or draft"):
         config_from_dict(base_config(hosts={"box": {"cores": 2}}))
+    with pytest.raises(ValueError, match="coordinator.cpu_ms_per_message must be >= 0"):
+        config_from_dict(base_config(coordinator={"cpu_ms_per_message": -1}))
+    config_from_dict(base_config(hosts={"box": {"cores": 2}}, coordinator={"host": "box", "cpu_ms_per_message": 0.5}))  # names it
     with pytest.raises(ValueError, match="hosts.box: unknown keys \\['core'\\]"):
         config_from_dict(base_config(targets=[{"host": "box"}], hosts={"box": {"core": 2}}))
+
+
+def test_coordinator_cpu_on_its_own_core_adds_its_messages():
+    """test_hand_worked_schedule with the coordinator's CPU at 1 ms per message on a core of its own:
+        t = 1.000  Generate, Draft.OpenSession (2), Verify.OpenSession request: 4 ms -> 1.004;
+                   target prefill -> 1.014; its response -> 1.015; the first token out -> 1.016
+        round 1: Propose request -> 1.017; draft 3 x 1 ms -> 1.020; Propose response and Verify
+                 request -> 1.022; verify -> 1.032; its response -> 1.033; the tokens out -> 1.034
+        rounds 2 and 3 alike: 18 ms each -> 1.052, 1.070
+        round 4 (k = 0, no Propose): Verify request -> 1.071; verify -> 1.081; response, out -> 1.083
+    e2e 83 ms (59 + 24 on the path); 28 messages handled: 10 + 5 per round, less the Propose's 2 in round 4
+    (the 4 CloseSession messages run after the last tokens are out)."""
+    result = simulate(config_from_dict(base_config(
+        duration_s=3, burn_in_s=0, speculation={"k": 3, "acceptance_trace": [2, 0, 3]},
+        coordinator={"cpu_ms_per_message": 1.0},
+        workload={"arrival": "trace", "trace": [{"arrival_s": 1.0, "prompt_tokens": 16, "output_tokens": 10}]})))
+    (r,) = result.requests
+    assert r.ttft_s == pytest.approx(0.016)
+    assert r.e2e_s == pytest.approx(0.083)
+    coordinator = result.summary["processes"]["coordinator"]
+    assert coordinator["num_messages"] == 28
+    assert (coordinator["busy_s"], coordinator["cpu_s"]) == (pytest.approx(0.028), pytest.approx(0.028))  # alone: never slowed
+
+
+def coordinator_on_one_core(cpu_ms_per_message: float):
+    """Two one-token requests (a 10 ms prefill each, arriving at 0 and 6 ms) and the coordinator, on
+    one core; autoregressive, no network."""
+    return simulate(config_from_dict(base_config(
+        mode="autoregressive", duration_s=1, burn_in_s=0, targets=[{"count": 1, "device": "target", "host": "box"}],
+        hosts={"box": {"cores": 1}}, coordinator={"host": "box", "cpu_ms_per_message": cpu_ms_per_message},
+        workload={"arrival": "trace", "trace": [{"arrival_s": t, "prompt_tokens": 8, "output_tokens": 1} for t in (0.0, 0.006)]})))
+
+
+def test_coordinator_cpu_shares_the_host_with_forwards():
+    """The coordinator's messages (2 ms each) and the prefills share the one core. A: Generate and the
+    Verify.OpenSession request [0, 4]; prefill from 4. B: its 2 messages (4 ms) from 6 beside A's
+    prefill (8 ms left): both at 1/2 speed, B's job ends at 14, A's prefill has 4 ms left, alone: 18.
+    B's prefill waits for the engine: from 18, beside A's OpenSession response [18, 22] and A's token
+    out [22, 26] (1/2 speed: B's prefill has 6 ms left at 26) -> A's first token at 26 ms.
+    A's CloseSession (2 messages, 4 ms) [26, 34] beside B's prefill, both at 1/2: B's prefill has
+    2 ms left, alone: 36; B's response [36, 38], its token out [38, 40] -> B's TTFT 34 ms.
+    Without the coordinator's CPU: A's TTFT 10 ms, B's 14 ms (B's prefill waits for A's)."""
+    a, b = coordinator_on_one_core(2.0).requests
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(0.026), pytest.approx(0.034))
+    assert (a.end_s, b.end_s) == (pytest.approx(0.026), pytest.approx(0.040))
+    result = coordinator_on_one_core(2.0)
+    assert result.summary["hosts"]["box"]["core_utilisation"] == pytest.approx(0.020 + 0.024)  # prefills + 12 messages
+    a, b = coordinator_on_one_core(0.0).requests
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(0.010), pytest.approx(0.014))
+
+
+def test_zero_process_cpu_changes_nothing():
+    """`coordinator` / `clients` at 0 ms per message (the default) give the run as without them."""
+    def run(**processes):
+        return simulate(config_from_dict(base_config(
+            duration_s=20, targets=[{"count": 1, "device": "target", "host": "box"}],
+            drafts=[{"count": 1, "device": "draft", "node": "target", "host": "box"}], hosts={"box": {"cores": 1}},
+            speculation={"k": 3, "acceptance": [0.7]}, network={"same_node": {"latency_ms": 0.3}, "client": {"latency_ms": 0.2}},
+            workload={"arrival": "closed", "num_clients": 4, "prompt_tokens": [16, 40], "output_tokens": [20, 50]}, **processes)))
+
+    plain = run()
+    zero = run(coordinator={"host": "box", "cpu_ms_per_message": 0.0}, clients={"host": "box", "cpu_ms_per_message": 0.0})
+    assert [(r.first_token_s, r.end_s) for r in zero.requests] == [(r.first_token_s, r.end_s) for r in plain.requests]
+    assert "processes" not in plain.summary or not plain.summary["processes"]
+    slowed = run(coordinator={"host": "box", "cpu_ms_per_message": 1.0}, clients={"host": "box", "cpu_ms_per_message": 0.5})
+    assert slowed.summary["throughput_tokens_per_s"] < plain.summary["throughput_tokens_per_s"]
+    clients = slowed.summary["processes"]["clients"]
+    assert clients["busy_s"] > clients["cpu_s"] == pytest.approx(clients["num_messages"] * 0.0005)  # slowed on the shared core
