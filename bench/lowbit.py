@@ -40,6 +40,7 @@ from specmesh.models.resolve import gguf_file, resolve_model_spec  # noqa: E402
 
 THREADS = 2
 TARGETS = {"fp32": {}, "int8 (weight-only)": {"quantize": "int8"}, "Q4_1 (GGUF blocks)": {"quantize": "gguf"}}
+GOAL_TARGET = "Q4_1 (GGUF blocks)"  # the one compared with llama.cpp on the same file
 
 
 def weight_bytes(engine) -> int:
@@ -55,6 +56,23 @@ def ours(verifier: TargetVerifier, ids: list[int], max_new_tokens: int, speculat
     result = generate(verifier, drafter, ids, params, k_policy=AdaptiveK() if speculative else None)
     seconds = time.perf_counter() - start
     return {"tokens": result.token_ids, "seconds": seconds, "tokens_per_s": len(result.token_ids) / seconds}
+
+
+def llama_cpp_version() -> str | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return str(llama_cpp.__version__)
+
+
+def kernel_description() -> str:
+    from specmesh.models.lowbit.kernel import library
+
+    lib = library()
+    if lib is None:
+        return "torch fallback (no C++ compiler)"
+    return "compiled, AVX-512 VNNI integer dots" if lib.lowbit_has_vnni() else "compiled, portable integer dots"
 
 
 def llama_cpp_runner(path: str):
@@ -119,13 +137,18 @@ def main() -> int:
                 exact[name][0] += spec["tokens"] == plain["tokens"]
                 exact[name][1] += 1
             if llama is not None:
-                rows[set_name].setdefault("llama.cpp plain", []).append(llama(ids, args.max_new_tokens)["tokens_per_s"])
+                reference = llama(ids, args.max_new_tokens)["tokens_per_s"]
+                rows[set_name].setdefault("llama.cpp plain", []).append(reference)
+                for method in ("plain", "n-gram SD"):
+                    ours_tps = rows[set_name][f"{GOAL_TARGET} {method}"][-1]
+                    rows[set_name].setdefault(f"{GOAL_TARGET} {method} / llama.cpp plain", []).append(ours_tps / reference)
             print(f"  {set_name} prompt {index}: done", flush=True)
 
     medians = {s: {k: statistics.median(v) for k, v in r.items()} for s, r in rows.items()}
     out = {"model": "default (SmolLM2-135M-Instruct)", "machine": platform.processor() or platform.machine(),
            "threads": THREADS, "max_new_tokens": args.max_new_tokens, "load_average": os.getloadavg(),
-           "llama_cpp": llama is not None, "weight_mb": {n: weight_bytes(e) / 1e6 for n, e in engines.items()},
+           "llama_cpp": llama is not None, "llama_cpp_version": llama_cpp_version(),
+           "kernel": kernel_description(), "weight_mb": {n: weight_bytes(e) / 1e6 for n, e in engines.items()},
            "exact": {n: f"{a}/{b}" for n, (a, b) in exact.items()}, "medians": medians, "runs": rows}
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
@@ -140,13 +163,16 @@ def render(out: dict) -> str:
     lines = ["# Low-bit targets (CPU)", "",
              f"`.venv/bin/python bench/lowbit.py`: {out['model']}, {out['machine']}, {out['threads']} threads, greedy, "
              f"{out['max_new_tokens']} new tokens, chat-templated prompts; medians over prompts; load average at the end "
-             f"{out['load_average'][0]:.1f}.", ""]
+             f"{out['load_average'][0]:.1f}. Low-bit kernel: {out['kernel']}. Each tok/s includes the prompt's prefill.", ""]
+    if out["llama_cpp"]:
+        lines += [f"llama.cpp: llama-cpp-python {out['llama_cpp_version']} on the same GGUF file, 2 threads, greedy "
+                  "(its own generate loop).", ""]
     if not out["llama_cpp"]:
         lines += ["llama.cpp: `llama-cpp-python` is not installed here, so there is no llama.cpp row (pip install "
                   "llama-cpp-python to add it).", ""]
     for set_name, medians in out["medians"].items():
-        lines += [f"## {set_name}", "", "| target | tok/s |", "|---|---|"]
-        lines += [f"| {name} | {value:.2f} |" for name, value in medians.items()]
+        lines += [f"## {set_name}", "", "| target | tok/s, or ratio (x) |", "|---|---|"]
+        lines += [f"| {name} | {value:.2f}{'x' if ' / ' in name else ''} |" for name, value in medians.items()]
         lines.append("")
     lines += ["| target | weights MB | n-gram SD output == its own plain output |", "|---|---|---|"]
     lines += [f"| {n} | {out['weight_mb'][n]:.0f} | {out['exact'][n]} |" for n in out["exact"]]

@@ -53,6 +53,7 @@ extern "C" void lowbit_attention(const float *q, int64_t N, int64_t q_stride, in
                                  int64_t first_slot, int64_t K, const uint8_t *mask, int64_t T, const int64_t *rows,
                                  float scale, float *out, int num_threads) {
     const int64_t group = H / KVH;
+    if (N * H * K * D < (int64_t)1 << 19) num_threads = 1;  // a decode step: waking a second thread costs more
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> scores(K);
@@ -70,7 +71,7 @@ extern "C" void lowbit_attention(const float *q, int64_t N, int64_t q_stride, in
                 if (visible && !visible[j]) continue;
                 const int64_t slot = slots ? slots[j] : first_slot + j;
                 scores[j] = dot(qv, k_cache + slot * KVH * D + head_offset, D) * scale;
-                best = std::fmax(best, scores[j]);
+                best = scores[j] > best ? scores[j] : best;
             }
             float total = 0.0f;
             std::fill(acc.begin(), acc.end(), 0.0f);

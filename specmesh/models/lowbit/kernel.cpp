@@ -5,8 +5,8 @@
 // is all zero), so the row is approximated by d * q. The weight's integer codes meet q in exact int32 dot
 // products (VNNI's u8 x s8 instruction where the CPU has it, plain loops otherwise: the integers are equal);
 // the float part is fixed: per 64 inputs ("chunk") 16 lanes, lane l covering inputs 4l..4l+3, each lane
-// acc = fma(float(dot), scale_w * d, acc) chunk by chunk in K order, then one fixed-order tree sum (plus, for
-// q4, the offsets' term sum_g offset_g * d_g * sum(q in g), accumulated the same way). Output (m, n) is
+// acc = fma(float(dot), scale_w * d, acc) chunk by chunk in K order (then, for q4, the offsets' term
+// offset_g * d_g * sum(q in g) for 16 blocks per step into the same lanes), then one fixed-order tree sum. Output (m, n) is
 // therefore the same sequence of operations whatever M is and wherever row m sits in the call: a verify
 // forward over k + 1 rows gives, bit for bit, the rows of k + 1 one-row calls. `kernel.py`'s torch
 // reference computes the same numbers with sgemm (equal up to float rounding).
@@ -21,7 +21,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define LOWBIT_VNNI 1
 #else
@@ -60,13 +60,16 @@ struct Quantized {
         for (int64_t m = 0; m < M; m++) {
             const float *xr = x + m * K;
             for (int64_t b = 0; b < K / BLOCK; b++) {
-                float amax = 0.0f;
-                for (int i = 0; i < BLOCK; i++) amax = std::fmax(amax, std::fabs(xr[b * BLOCK + i]));
+                float amax = 0.0f;  // comparisons, not std::fmax (a libm call per element); inputs are finite
+                for (int i = 0; i < BLOCK; i++) {
+                    const float magnitude = std::fabs(xr[b * BLOCK + i]);
+                    amax = magnitude > amax ? magnitude : amax;
+                }
                 const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
                 int sum = 0;
                 for (int i = 0; i < BLOCK; i++) {
                     float r = std::nearbyint(xr[b * BLOCK + i] * inverse);
-                    r = std::fmin(127.0f, std::fmax(-127.0f, r));
+                    r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
                     q[m * padded_k + b * BLOCK + i] = (int8_t)r;
                     sum += (int)r;
                 }
@@ -110,10 +113,10 @@ inline void chunk_portable(Lanes &acc, Codes row, const S *scales, const Row &x,
     }
 }
 
-// sum over blocks of offset_g * (d_g * sum q_g), 16 blocks per step (q4 only).
+// The q4 offsets' term, sum over blocks of offset_g * (d_g * sum q_g), 16 blocks per step, added into the
+// chunks' lanes (lane l takes blocks l, l + 16, ...) before their one tree sum.
 template <typename S>
-inline float offsets_term(const S *offsets, const Row &x, int64_t K) {
-    Lanes acc{};
+inline void add_offsets(Lanes &acc, const S *offsets, const Row &x, int64_t K) {
     const int64_t blocks = K / BLOCK;
     for (int64_t b0 = 0; b0 < blocks; b0 += LANES) {
         for (int l = 0; l < LANES; l++) {
@@ -121,7 +124,6 @@ inline float offsets_term(const S *offsets, const Row &x, int64_t K) {
             acc.v[l] = std::fma(o, x.block_sum[b0 + l], acc.v[l]);
         }
     }
-    return tree_sum(acc);
 }
 
 #if LOWBIT_VNNI
@@ -150,27 +152,27 @@ inline __m512 chunk_scales(const S *p) {
     return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v));
 }
 
+// tree_sum's order with shuffles: halves, quarters, pairs, then the last two lanes.
+inline float tree_sum_vnni(__m512 v) {
+    const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
 template <typename S>
-inline float offsets_term_vnni(const S *offsets, const Row &x, int64_t K) {
+inline __m512 add_offsets_vnni(__m512 acc, const S *offsets, const Row &x, int64_t K) {
     const int64_t blocks = K / BLOCK;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t b0 = 0;
-    for (; b0 + LANES <= blocks; b0 += LANES) {
-        __m512 o;
+    for (int64_t b0 = 0; b0 < blocks; b0 += LANES) {
+        const __mmask16 valid = blocks - b0 >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (blocks - b0)) - 1);
+        __m512 o;  // lanes past the last block read nothing and hold 0, as add_offsets' do
         if constexpr (sizeof(S) == 2)
-            o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(offsets + b0)));
+            o = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, offsets + b0));
         else
-            o = _mm512_loadu_ps((const float *)(offsets + b0));
+            o = _mm512_maskz_loadu_ps(valid, (const float *)(offsets + b0));
         acc = _mm512_fmadd_ps(o, _mm512_loadu_ps(x.block_sum + b0), acc);
     }
-    Lanes lanes;
-    _mm512_store_ps(lanes.v, acc);
-    if (b0 < blocks)  // the tail, lane for lane as offsets_term
-        for (int l = 0; l < LANES; l++) {
-            const float o = b0 + l < blocks ? (float)offsets[b0 + l] : 0.0f;
-            lanes.v[l] = std::fma(o, x.block_sum[b0 + l], lanes.v[l]);
-        }
-    return tree_sum(lanes);
+    return acc;
 }
 #endif
 
@@ -201,6 +203,11 @@ void q4_pass(const Row *rows, int64_t K, const uint8_t *codes, const S *scales, 
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
             }
         }
+        if (c == chunks) {  // no tail chunk: reduce in registers
+            for (int r = 0; r < ROWS; r++)
+                y[r * N + n] = tree_sum_vnni(add_offsets_vnni(acc[r], offsets + n * groups, rows[r], K));
+            continue;
+        }
         for (int r = 0; r < ROWS; r++) _mm512_store_ps(lanes[r].v, acc[r]);
 #else
         for (int r = 0; r < ROWS; r++) lanes[r] = Lanes{};
@@ -208,12 +215,8 @@ void q4_pass(const Row *rows, int64_t K, const uint8_t *codes, const S *scales, 
         for (; c < chunks; c++)
             for (int r = 0; r < ROWS; r++) chunk_portable<S, BLOCK>(lanes[r], row, sc, rows[r], c, K, q4_code);
         for (int r = 0; r < ROWS; r++) {
-#if LOWBIT_VNNI
-            const float off = offsets_term_vnni(offsets + n * groups, rows[r], K);
-#else
-            const float off = offsets_term(offsets + n * groups, rows[r], K);
-#endif
-            y[r * N + n] = tree_sum(lanes[r]) + off;
+            add_offsets(lanes[r], offsets + n * groups, rows[r], K);
+            y[r * N + n] = tree_sum(lanes[r]);
         }
     }
 }
@@ -243,6 +246,10 @@ void q8_pass(const Row *rows, int64_t K, const int8_t *codes, const S *scales, i
                 const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(rows[r].lane_scale + c * LANES));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
             }
+        }
+        if (c == chunks) {
+            for (int r = 0; r < ROWS; r++) y[r * N + n] = tree_sum_vnni(acc[r]);
+            continue;
         }
         for (int r = 0; r < ROWS; r++) _mm512_store_ps(lanes[r].v, acc[r]);
 #else
