@@ -114,7 +114,8 @@ class AdaptiveK:
     allow_zero: bool = True  # may fall back to plain decoding when drafting does not pay
     ema_weight: float = 0.3  # weight of the newest observation
     beta: float = 0.1  # verify cost growth per verified token: the prior, until a round reports its ForwardCost
-    probe_every: int = 8  # rounds at k = 0 between probes
+    probe_every: int = 8  # rounds at k = 0 before the first probe; doubles after each failed probe
+    max_probe_every: int = 64  # ... up to this many (a drafter that never helps costs one probe per 64 rounds)
 
     def __post_init__(self):
         if not 1 <= self.k_min <= self.k_init <= self.k_max:
@@ -123,6 +124,7 @@ class AdaptiveK:
         self.draft_ms_per_token: float | None = None
         self.decode_ms: float | None = None  # v1
         self._rounds_at_zero = 0
+        self._probe_interval = self.probe_every
         self._k = self.k_init
 
     def next_k(self) -> int:
@@ -153,10 +155,13 @@ class AdaptiveK:
         if self.allow_zero:
             candidates.append(0)
         best = max(candidates, key=self.speed)
-        if best == 0:
+        if best != 0:
+            self._probe_interval = self.probe_every
+        else:
             self._rounds_at_zero = self._rounds_at_zero + 1 if last_k == 0 else 1
-            if self._rounds_at_zero >= self.probe_every:
+            if self._rounds_at_zero >= self._probe_interval:
                 self._rounds_at_zero = 0
+                self._probe_interval = min(2 * self._probe_interval, max(self.probe_every, self.max_probe_every))
                 return self.k_min
         return best
 

@@ -91,7 +91,8 @@ def speculative_stream(
             start = time.perf_counter()
             outcome = verifier.verify(session, proposal)
             verify_ms = (time.perf_counter() - start) * 1e3
-            yield state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms)
+            yield state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms,
+                               verifier.forward_cost())
     finally:
         verifier.close(session)
         if drafter is not None and draft_state is not None:

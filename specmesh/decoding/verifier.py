@@ -34,6 +34,7 @@ Prompt of 10 tokens, chunks of 4:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,6 +42,7 @@ from typing import Protocol
 import torch
 
 from specmesh.decoding.acceptance import accept_batch
+from specmesh.decoding.adaptive import ForwardCost, LinearCostFit
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.tree import tree_forward_input
@@ -104,6 +106,13 @@ class TargetVerifier:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        # forward ms ~ fixed + per token * tokens over verify rounds (not prefills): the cost a draft token
+        # adds, which adaptive k weighs (on a compute-bound low-bit CPU target it is far from the prior)
+        self._round_costs = LinearCostFit(min_spread_tokens=0.3)
+
+    def forward_cost(self, batch_size: int = 1) -> ForwardCost | None:
+        """The fitted cost of this engine's verify forwards (None until rounds of different sizes ran)."""
+        return self._round_costs.cost(batch_size)
 
     def max_draft_tokens(self, session: TargetSession) -> int:
         """How many draft tokens still fit in the context window after the pending token."""
@@ -159,7 +168,11 @@ class TargetVerifier:
         """Verify each session's proposal (an empty one = plain decoding) in one engine forward.
         `keep_logits` puts the logits that judged each emitted token in `VerifyOutcome.logits`."""
         inputs = [self._forward_input(s, pr) for s, pr in zip(sessions, proposals)]
+        start = time.perf_counter()
         logits = self.engine.forward(inputs)
+        num_fed = sum(len(item.token_ids) for item in inputs)
+        if num_fed == sum(1 + proposal.num_tokens for proposal in proposals):  # rounds only, no catch-up
+            self._round_costs.observe(num_fed, (time.perf_counter() - start) * 1e3)
         logits = [rows if s.constraint is None else s.constraint.constrain(rows, pr)
                   for s, pr, rows in zip(sessions, proposals, logits)]
         outcomes = accept_batch(logits, proposals, [s.params for s in sessions], [s.generator for s in sessions])

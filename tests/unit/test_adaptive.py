@@ -21,17 +21,30 @@ def test_docstring_worked_example_picks_k4():
 
 
 def test_useless_drafts_fall_back_to_plain_decoding_then_probe():
-    policy = AdaptiveK(k_init=4, k_min=1, k_max=8, probe_every=3)
+    policy = AdaptiveK(k_init=4, k_min=1, k_max=8, probe_every=3, max_probe_every=12)
     ks = []
-    for _ in range(12):
+    for _ in range(60):
         k = policy.next_k()
         ks.append(k)
         policy.update(k, 0, draft_ms=5.0 * k, verify_ms=10.0 * (1 + 0.1 * k))
     assert ks[0] == 4
     assert 0 in ks, ks
-    zero_runs = "".join("0" if k == 0 else "x" for k in ks[1:]).split("x")
-    assert max(len(run) for run in zero_runs) <= 3  # a probe round at least every probe_every rounds
-    assert any(k == 1 for k in ks[2:])  # the probe uses k_min
+    # rounds from one probe to the next (the probe included): 3, then 6, 12, and 12 at the cap
+    periods = [len(run) + 1 for run in "".join("0" if k == 0 else "x" for k in ks[1:]).split("x")][:-1]
+    assert periods[:3] == [3, 6, 12] and set(periods[3:]) == {12}, ks
+    assert all(k == 1 for k in ks[2:] if k)  # the probe uses k_min
+
+
+def test_a_probe_that_pays_resets_the_backoff():
+    policy = AdaptiveK(k_init=4, k_min=1, k_max=8, probe_every=2)
+    for _ in range(12):  # useless drafts: probes back off
+        k = policy.next_k()
+        policy.update(k, 0, draft_ms=0.1 * k, verify_ms=10.0 * (1 + 0.1 * k))
+    assert policy._probe_interval > 2
+    for _ in range(30):  # the text turns repetitive: every draft token is accepted
+        k = policy.next_k()
+        policy.update(k, k, draft_ms=0.1 * k, verify_ms=10.0 * (1 + 0.1 * k))
+    assert policy.next_k() > 1 and policy._probe_interval == 2
 
 
 def test_cheap_accurate_drafts_grow_k():
