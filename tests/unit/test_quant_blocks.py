@@ -150,3 +150,25 @@ def test_gguf_names_and_unpermute():
     num_heads, head_dim = 3, 8
     permute = np.arange(num_heads * head_dim).reshape(num_heads, 2, head_dim // 2).swapaxes(1, 2).reshape(-1)  # llama.cpp
     assert torch.equal(torch.from_numpy(permute)[unpermute_rows(num_heads * head_dim, num_heads)], torch.arange(num_heads * head_dim))
+
+
+def test_fixed_order_attention_matches_sdpa_and_is_row_invariant():
+    from specmesh.models.lowbit.kernel import invariant_attention
+
+    if library() is None:
+        pytest.skip("no C++ compiler")
+    generator = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, keys = 6, 2, 48, 70  # head_dim not a multiple of 16: the dot's tail
+    cache_k = torch.randn(128, kv_heads, dim, generator=generator) * 3  # scores spread far: exp's range
+    cache_v = torch.randn(128, kv_heads, dim, generator=generator)
+    slots = torch.randperm(128, generator=generator)[:keys].unsqueeze(0)
+    q = torch.randn(4, heads, dim, generator=generator)
+    mask = torch.ones(1, 1, 4, keys, dtype=torch.bool).tril(diagonal=keys - 4)  # causal over the last 4 keys
+    got = invariant_attention(q, cache_k, cache_v, slots, 0, keys, mask, 4, None, dim**-0.5)
+    k_rows, v_rows = cache_k[slots[0]].unsqueeze(0), cache_v[slots[0]].unsqueeze(0)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(0).transpose(1, 2), k_rows.transpose(1, 2), v_rows.transpose(1, 2), attn_mask=mask,
+        scale=dim**-0.5, enable_gqa=True).transpose(1, 2).reshape(4, -1)
+    assert got is not None and torch.allclose(got, expected, atol=2e-6, rtol=1e-5)
+    last = invariant_attention(q[3:], cache_k, cache_v, slots, 0, keys, None, 1, None, dim**-0.5)
+    assert torch.equal(last, got[3:])  # the last query alone, every key visible: the same bits

@@ -3,8 +3,8 @@
 //
 // For query row n, head h: the keys it may see are visited in key order j = 0..K-1 (masked and padded
 // keys skipped); score_j = dot(q, k_j) * scale (the dot: 16 lanes over head_dim, then a fixed-order
-// tree sum), m = max score, p_j = exp(score_j - m), out = (sum_j p_j v_j) / (sum_j p_j), both sums in key
-// order. A verify forward over k + 1 tokens sees, for its i-th token, exactly the keys (and slots, in the
+// tree sum), m = max score, p_j = exp(score_j - m) (exp_nonpositive), out = (sum_j p_j v_j) / (sum_j p_j),
+// both sums in key order. A verify forward over k + 1 tokens sees, for its i-th token, exactly the keys (and slots, in the
 // same order) that a one-token step at that position sees, so the rows are equal bit for bit; SDPA's
 // blocked reductions change with the number of queries and keys, and the activations' 8-bit rounding
 // would turn those last-bit differences into different codes.
@@ -22,6 +22,7 @@
 namespace {
 
 typedef float f32x16 __attribute__((vector_size(64)));
+constexpr int64_t PREFETCH_KEYS = 8;
 
 inline f32x16 load16(const float *p) {
     f32x16 v;
@@ -37,7 +38,7 @@ inline float tree_sum(f32x16 v) {
     return t[0];
 }
 
-inline float dot(const float *a, const float *b, int64_t D) {
+inline float dot(const float *a, const float *b, int64_t D) {  // 16 lanes, then the fixed tree
     f32x16 acc{};
     int64_t i = 0;
     for (; i + 16 <= D; i += 16) acc += load16(a + i) * load16(b + i);
@@ -46,45 +47,83 @@ inline float dot(const float *a, const float *b, int64_t D) {
     return tree_sum(acc + load16(tail));
 }
 
+// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7
+// (truncation below 6e-9, under float's last bit), times 2^n through the exponent; 0 below -87. Written as
+// straight-line float code so the loop over keys vectorises, and it is the same function for every row.
+inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float n = std::nearbyint(clamped * 1.44269504088896341f);
+    float r = std::fma(n, -0.693145751953125f, clamped);  // ln 2 in two parts: the first is exact in float
+    r = std::fma(n, -1.428606765330187e-06f, r);
+    float p = 1.0f / 5040.0f;
+    p = std::fma(p, r, 1.0f / 720.0f);
+    p = std::fma(p, r, 1.0f / 120.0f);
+    p = std::fma(p, r, 1.0f / 24.0f);
+    p = std::fma(p, r, 1.0f / 6.0f);
+    p = std::fma(p, r, 0.5f);
+    p = std::fma(p, r, 1.0f);
+    p = std::fma(p, r, 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof(two_n));
+    return x < -87.0f ? 0.0f : p * two_n;
+}
+
 }  // namespace
 
 extern "C" void lowbit_attention(const float *q, int64_t N, int64_t q_stride, int64_t H, int64_t KVH, int64_t D,
                                  const float *k_cache, const float *v_cache, const int64_t *key_slots,
                                  int64_t first_slot, int64_t K, const uint8_t *mask, int64_t T, const int64_t *rows,
                                  float scale, float *out, int num_threads) {
-    const int64_t group = H / KVH;
-    if (N * H * K * D < (int64_t)1 << 19) num_threads = 1;  // a decode step: waking a second thread costs more
+    const int64_t group = H / KVH;  // query heads per key/value head: one task reads each key row once for them all
+    if (N * H * K * D < (int64_t)1 << 16) num_threads = 1;  // a short decode step: waking a second thread costs more
 #pragma omp parallel num_threads(num_threads)
     {
-        std::vector<float> scores(K);
-        std::vector<float> acc(D);
+        std::vector<float> scores(group * K), best(group), total(group), acc(group * D);
+        std::vector<int64_t> visible_slots(K);
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < N * H; task++) {
-            const int64_t n = task / H, h = task % H;
+        for (int64_t task = 0; task < N * KVH; task++) {
+            const int64_t n = task / KVH, g = task % KVH;
             const int64_t row = rows ? rows[n] : n, b = rows ? row / T : 0;
             const uint8_t *visible = mask ? mask + row * K : nullptr;
             const int64_t *slots = key_slots ? key_slots + b * K : nullptr;
-            const float *qv = q + n * q_stride + h * D;
-            const int64_t head_offset = (h / group) * D;
-            float best = -std::numeric_limits<float>::infinity();
-            for (int64_t j = 0; j < K; j++) {
-                if (visible && !visible[j]) continue;
-                const int64_t slot = slots ? slots[j] : first_slot + j;
-                scores[j] = dot(qv, k_cache + slot * KVH * D + head_offset, D) * scale;
-                best = scores[j] > best ? scores[j] : best;
+            int64_t count = 0;  // the visible keys' slots, in key order
+            for (int64_t j = 0; j < K; j++)
+                if (!visible || visible[j]) visible_slots[count++] = slots ? slots[j] : first_slot + j;
+            const int64_t offset = g * D;
+            for (int64_t h = 0; h < group; h++) best[h] = -std::numeric_limits<float>::infinity();
+            for (int64_t j = 0; j < count; j++) {
+                if (j + PREFETCH_KEYS < count)  // a hint: rows of other slots are far apart in the cache
+                    for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(k_cache + visible_slots[j + PREFETCH_KEYS] * KVH * D + offset + i);
+                const float *key = k_cache + visible_slots[j] * KVH * D + offset;
+                for (int64_t h = 0; h < group; h++) {
+                    const float s = dot(q + n * q_stride + (g * group + h) * D, key, D) * scale;
+                    scores[h * K + j] = s;
+                    best[h] = s > best[h] ? s : best[h];
+                }
             }
-            float total = 0.0f;
+            for (int64_t h = 0; h < group; h++) {
+                float *p = scores.data() + h * K;
+                for (int64_t j = 0; j < count; j++) p[j] = exp_nonpositive(p[j] - best[h]);
+                float sum = 0.0f;
+                for (int64_t j = 0; j < count; j++) sum += p[j];
+                total[h] = sum;
+            }
             std::fill(acc.begin(), acc.end(), 0.0f);
-            for (int64_t j = 0; j < K; j++) {
-                if (visible && !visible[j]) continue;
-                const int64_t slot = slots ? slots[j] : first_slot + j;
-                const float p = std::exp(scores[j] - best);
-                total += p;
-                const float *vv = v_cache + slot * KVH * D + head_offset;
-                for (int64_t i = 0; i < D; i++) acc[i] = std::fma(p, vv[i], acc[i]);
+            for (int64_t j = 0; j < count; j++) {
+                if (j + PREFETCH_KEYS < count)
+                    for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(v_cache + visible_slots[j + PREFETCH_KEYS] * KVH * D + offset + i);
+                const float *value = v_cache + visible_slots[j] * KVH * D + offset;
+                for (int64_t h = 0; h < group; h++) {
+                    const float p = scores[h * K + j];
+                    float *a = acc.data() + h * D;
+                    for (int64_t i = 0; i < D; i++) a[i] = std::fma(p, value[i], a[i]);
+                }
             }
-            float *o = out + n * H * D + h * D;
-            for (int64_t i = 0; i < D; i++) o[i] = acc[i] / total;
+            for (int64_t h = 0; h < group; h++) {
+                float *o = out + n * H * D + (g * group + h) * D;
+                for (int64_t i = 0; i < D; i++) o[i] = acc[h * D + i] / total[h];
+            }
         }
     }
 }
