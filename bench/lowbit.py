@@ -100,10 +100,11 @@ def llama_cpp_runner(path: str):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="one prompt per set, 24 tokens (smoke run)")
+    parser.add_argument("--quick", action="store_true", help="one prompt per set, 24 tokens, one run (smoke run)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per prompt and method (the median is kept)")
     args = parser.parse_args()
     if args.quick:
-        args.max_new_tokens = 24
+        args.max_new_tokens, args.repeats = 24, 1
     torch.set_num_threads(THREADS)
     from transformers import AutoTokenizer
 
@@ -128,16 +129,20 @@ def main() -> int:
         for index, prompt in enumerate(prompts):
             ids = chat_prompt_ids(tokenizer, prompt)
             names = list(TARGETS) if index % 2 == 0 else list(reversed(TARGETS))
-            for name in names:
-                plain = ours(verifiers[name], ids, args.max_new_tokens, False)
-                spec = ours(verifiers[name], ids, args.max_new_tokens, True)
-                rows[set_name].setdefault(f"{name} plain", []).append(plain["tokens_per_s"])
-                rows[set_name].setdefault(f"{name} n-gram SD", []).append(spec["tokens_per_s"])
-                rows[set_name].setdefault(f"{name} SD / plain", []).append(spec["tokens_per_s"] / plain["tokens_per_s"])
-                exact[name][0] += spec["tokens"] == plain["tokens"]
+            for name in names:  # per prompt: the median of `repeats` runs, plain and SD alternating
+                plains, specs = [], []
+                for _ in range(args.repeats):
+                    plains.append(ours(verifiers[name], ids, args.max_new_tokens, False))
+                    specs.append(ours(verifiers[name], ids, args.max_new_tokens, True))
+                plain_tps = statistics.median(r["tokens_per_s"] for r in plains)
+                spec_tps = statistics.median(r["tokens_per_s"] for r in specs)
+                rows[set_name].setdefault(f"{name} plain", []).append(plain_tps)
+                rows[set_name].setdefault(f"{name} n-gram SD", []).append(spec_tps)
+                rows[set_name].setdefault(f"{name} SD / plain", []).append(spec_tps / plain_tps)
+                exact[name][0] += all(r["tokens"] == plains[0]["tokens"] for r in plains + specs)
                 exact[name][1] += 1
             if llama is not None:
-                reference = llama(ids, args.max_new_tokens)["tokens_per_s"]
+                reference = statistics.median(llama(ids, args.max_new_tokens)["tokens_per_s"] for _ in range(args.repeats))
                 rows[set_name].setdefault("llama.cpp plain", []).append(reference)
                 for method in ("plain", "n-gram SD"):
                     ours_tps = rows[set_name][f"{GOAL_TARGET} {method}"][-1]
@@ -146,7 +151,7 @@ def main() -> int:
 
     medians = {s: {k: statistics.median(v) for k, v in r.items()} for s, r in rows.items()}
     out = {"model": "default (SmolLM2-135M-Instruct)", "machine": platform.processor() or platform.machine(),
-           "threads": THREADS, "max_new_tokens": args.max_new_tokens, "load_average": os.getloadavg(),
+           "threads": THREADS, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "load_average": os.getloadavg(),
            "llama_cpp": llama is not None, "llama_cpp_version": llama_cpp_version(),
            "kernel": kernel_description(), "weight_mb": {n: weight_bytes(e) / 1e6 for n, e in engines.items()},
            "exact": {n: f"{a}/{b}" for n, (a, b) in exact.items()}, "medians": medians, "runs": rows}
@@ -162,7 +167,8 @@ def main() -> int:
 def render(out: dict) -> str:
     lines = ["# Low-bit targets (CPU)", "",
              f"`.venv/bin/python bench/lowbit.py`: {out['model']}, {out['machine']}, {out['threads']} threads, greedy, "
-             f"{out['max_new_tokens']} new tokens, chat-templated prompts; medians over prompts; load average at the end "
+             f"{out['max_new_tokens']} new tokens, chat-templated prompts; per prompt the median of {out['repeats']} runs, then "
+             "medians over prompts (the lowest prompt in brackets for SD / plain); load average at the end "
              f"{out['load_average'][0]:.1f}. Low-bit kernel: {out['kernel']}. Each tok/s includes the prompt's prefill.", ""]
     if out["llama_cpp"]:
         lines += [f"llama.cpp: llama-cpp-python {out['llama_cpp_version']} on the same GGUF file, 2 threads, greedy "
@@ -172,9 +178,11 @@ def render(out: dict) -> str:
                   "llama-cpp-python to add it).", ""]
     for set_name, medians in out["medians"].items():
         lines += [f"## {set_name}", "", "| target | tok/s, or ratio (x) |", "|---|---|"]
-        lines += [f"| {name} | {value:.2f}{'x' if ' / ' in name else ''} |" for name, value in medians.items()]
+        runs = out["runs"][set_name]
+        lines += [f"| {name} | {value:.2f}{'x' if ' / ' in name else ''}"
+                  f"{f' (lowest {min(runs[name]):.2f}x)' if name.endswith('SD / plain') else ''} |" for name, value in medians.items()]
         lines.append("")
-    lines += ["| target | weights MB | n-gram SD output == its own plain output |", "|---|---|---|"]
+    lines += ["| target | weights MB | every run's output (plain and n-gram SD) equal, prompts |", "|---|---|---|"]
     lines += [f"| {n} | {out['weight_mb'][n]:.0f} | {out['exact'][n]} |" for n in out["exact"]]
     return "\n".join(lines) + "\n"
 

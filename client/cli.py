@@ -151,7 +151,7 @@ def _generate_local(args: argparse.Namespace) -> int:
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop))
     try:
         params.validate()
-        generator = LocalGenerator(args.model, drafter=args.drafter or "bf16", dtype=args.dtype)
+        generator = LocalGenerator(args.model, drafter=args.drafter or "bf16", dtype=args.dtype, quantize=args.quantize)
     except ValueError as exc:
         return fail(str(exc), EXIT_USAGE)
     for text in generator.stream_text(args.prompt, params, args.k, chat=not args.raw):
@@ -248,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--local", action="store_true", help="generate in this process: no services needed")
     local.add_argument("--model", default="default", help="default | HF folder | .gguf | hub id")
     local.add_argument("--dtype", default="float32")
+    local.add_argument("--quantize", default="", help="low-bit target: gguf (the .gguf's own blocks; the default "
+                       "model's Q4_1) | int8 | int4 | q4_0 | q4_1 | q8_0 | q4_k | q6_k; exact and batch-invariant")
     gen.set_defaults(handler=_generate)
     chat.add_parser(commands, [connection, sampling])
     bench_cli.add_parser(commands, [connection, sampling])

@@ -27,14 +27,16 @@ DRAFTERS = ("none", "ngram", "bf16", "int8")
 
 
 class LocalGenerator:
-    def __init__(self, model: str = "default", drafter: str = "bf16", dtype: str = "float32", device: str = "cpu"):
+    def __init__(self, model: str = "default", drafter: str = "bf16", dtype: str = "float32", device: str = "cpu",
+                 quantize: str = ""):
         from transformers import AutoTokenizer
 
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
         folder = resolve_model_spec(model)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.engine = load_engine(folder, dtype=dtype, device=device)
+        # quantize="gguf" reads the blocks of the spec's own GGUF file (the spec, not its converted folder)
+        self.engine = load_engine(model if quantize == "gguf" else folder, dtype=dtype, device=device, quantize=quantize or None)
         self.verifier = TargetVerifier(self.engine)
         self.drafter_name = drafter
         self._draft_engine = None
