@@ -35,8 +35,7 @@ class LocalGenerator:
             raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
         folder = resolve_model_spec(model)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        # quantize="gguf" reads the blocks of the spec's own GGUF file (the spec, not its converted folder)
-        self.engine = load_engine(model if quantize == "gguf" else folder, dtype=dtype, device=device, quantize=quantize or None)
+        self.engine = load_engine(folder, dtype=dtype, device=device, quantize=quantize or None)
         self.verifier = TargetVerifier(self.engine)
         self.drafter_name = drafter
         self._draft_engine = None
