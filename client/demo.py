@@ -146,6 +146,11 @@ def main() -> int:
     _section("1b. speculative decoding, prompt-lookup drafts (input-grounded)")
     _speculative_vs_plain(generator, runs[1])
 
+    _section("1c. a low-bit target: the GGUF's own Q4_1 blocks (96 MB per token, not 538), prompt-lookup drafts")
+    print("8-bit activations and a fixed-order attention keep it batch-invariant bit for bit, so speculation")
+    print("is exact on it too (`bench/lowbit.py` compares it with llama.cpp on the same file).")
+    _speculative_vs_plain(LocalGenerator("default", drafter="ngram", quantize="gguf"), Run("q4_1", GROUNDED_PROMPT, "ngram"))
+
     _section("2. through the Coordinator: Draft, Verify and Coordinator as separate processes")
     _cluster_section(runs)
     print("\nnext: `make run-cluster`, then `.venv/bin/specmesh generate \"...\"`, `specmesh chat`, `specmesh bench`")
