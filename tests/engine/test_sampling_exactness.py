@@ -1,6 +1,6 @@
 """Sampled speculative decoding through the real engine follows the target's distribution exactly.
 
-Target and drafter are two different tiny random models. Each trial opens a target session
+Target and drafter are two different tiny random models (the target also as a Q4_1 low-bit model). Each trial opens a target session
 (prefill samples token 1), then runs speculative rounds with k = 2 model drafts until tokens 2 and
 3 exist. The joint distribution of (token 1, 2, 3) over 10,000 seeded trials is compared, with a
 chi-square test, to p(t1) p(t2 | t1) p(t3 | t1 t2) computed from the target alone. Top-k = 3 keeps
@@ -47,9 +47,11 @@ def _speculative_samples(target, draft, seeds):
     return [tuple(o[:3]) for o in outputs]
 
 
-@pytest.mark.parametrize("draft_family", ["qwen2"])
-def test_joint_of_three_tokens_matches_target(tiny_model_dir, draft_family):
-    target = load_engine(tiny_model_dir("llama", seed=5, init_std=0.08), dtype="float64", max_kv_tokens=64 * CHUNK)
+# the float64 target, and a low-bit one (8-bit activations, 4-bit weights: a model of its own, exact all the same)
+@pytest.mark.parametrize("draft_family,target_options", [("qwen2", {"dtype": "float64"}),
+                                                         ("qwen2", {"dtype": "float32", "quantize": "q4_1"})])
+def test_joint_of_three_tokens_matches_target(tiny_model_dir, draft_family, target_options):
+    target = load_engine(tiny_model_dir("llama", seed=5, init_std=0.08), max_kv_tokens=64 * CHUNK, **target_options)
     draft = load_engine(tiny_model_dir(draft_family, seed=6, init_std=0.08), dtype="float64", max_kv_tokens=64 * CHUNK)
     expected = target_joint(target, PROMPT, PARAMS)
     counts = dict.fromkeys(expected, 0)
