@@ -292,9 +292,12 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             k = session.round.next_k(request.num_draft_tokens or None)
             self.check_kv_quota(1 + k)  # before the drafter's state moves
             start = time.perf_counter()
-            proposal = await self.engine_thread.run(self.fused_drafter.propose, session.fused.state,
-                                                    session.round.take_draft_input(), k, session.target.params,
-                                                    session.fused.generator)
+            propose_args = (session.fused.state, session.round.take_draft_input(), k, session.target.params,
+                            session.fused.generator)
+            if getattr(self.fused_drafter, "uses_engine", True):
+                proposal = await self.engine_thread.run(self.fused_drafter.propose, *propose_args)
+            else:  # an n-gram lookup takes microseconds: a hop to the engine thread and back costs more
+                proposal = self.fused_drafter.propose(*propose_args)
             draft_ms = (time.perf_counter() - start) * 1e3
             prepared = self._prepare(session, proposal, deterministic=True)  # q travels with the proposal when sampled
             result = await self._apply(request.session_id, session, *prepared, draft_ms=draft_ms)

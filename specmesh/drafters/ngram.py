@@ -166,6 +166,7 @@ class PromptLookupDrafter:
 
     name = "prompt_lookup"
     device = torch.device("cpu")  # needs no generator; sampling drafts are deterministic
+    uses_engine = False  # table lookups: a service may run it on its event loop, no engine-thread hop
 
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         _check_orders(min_n, max_n)
@@ -204,6 +205,7 @@ class NgramStoreDrafter:
 
     name = "ngram_store"
     device = torch.device("cpu")
+    uses_engine = False
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_branching: int = 1) -> None:
         _check_orders(min_n, max_n)
