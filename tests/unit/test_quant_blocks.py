@@ -86,13 +86,14 @@ def test_the_portable_build_gives_the_vnni_builds_numbers_bit_for_bit(tmp_path):
     assert portable.lowbit_has_vnni() == 0
     x = torch.randn(11, 576, generator=torch.Generator().manual_seed(3))
     x[2, :32] = 0.0  # an all-zero activation block
-    for fmt in ALL_FORMATS:
-        cols = 512 if fmt in ("q4_k", "q6_k") else 576  # 576: a tail that is not a whole 16 blocks
+    # 576: blocks not a whole 16 (the offsets' masked tail); 96: a last chunk of 32 inputs (the portable tail)
+    shapes = [(fmt, 512 if fmt in ("q4_k", "q6_k") else 576) for fmt in ALL_FORMATS] + [("q4_1", 96), ("q8_0", 96)]
+    for fmt, cols in shapes:
         weight = quantize_weight(_weight(rows=21, cols=cols), fmt)
         for scales in (torch.float16, torch.float32):
             w = weight.to_scale_dtype(scales)
             fast, plain = fused_matmul(x[:, :cols], w, native), fused_matmul(x[:, :cols], w, portable)
-            assert fast is not None and plain is not None and torch.equal(fast, plain), (fmt, scales)
+            assert fast is not None and plain is not None and torch.equal(fast, plain), (fmt, cols, scales)
 
 
 def test_activations_are_quantized_per_row_block():
