@@ -47,13 +47,28 @@ def reference(target):
     return target_only_greedy(target, PROMPT, MAX_NEW_TOKENS)
 
 
+def _start_raylets(attempts: int = 2):
+    """Head, edge and target raylets. Ray gives a raylet a fixed 30 s to register with its GCS; on a
+    loaded 2-core machine that start-up (not our code) can miss it, so a failed start is retried once
+    on fresh processes and ports."""
+    for attempt in range(attempts):
+        nodes = RayTestCluster()
+        try:
+            nodes.add_node(num_cpus=2, resources={"head": 1}, object_store_memory=OBJECT_STORE_BYTES)
+            edge = nodes.add_node(num_cpus=2, resources={"edge": 1}, object_store_memory=OBJECT_STORE_BYTES)
+            target_node = nodes.add_node(num_cpus=4, resources={"target": 4}, object_store_memory=OBJECT_STORE_BYTES)
+            return nodes, edge, target_node
+        except Exception:
+            nodes.shutdown()
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def ray_nodes():
     """Three raylets on this machine; logical CPUs only (the real load is the service processes)."""
-    nodes = RayTestCluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"head": 1}, "object_store_memory": OBJECT_STORE_BYTES})
-    edge = nodes.add_node(num_cpus=2, resources={"edge": 1}, object_store_memory=OBJECT_STORE_BYTES)
-    target_node = nodes.add_node(num_cpus=4, resources={"target": 4}, object_store_memory=OBJECT_STORE_BYTES)
+    nodes, edge, target_node = _start_raylets()
     ray.init(address=nodes.address, namespace=NAMESPACE, log_to_driver=False)
     try:
         yield {"edge": edge.node_id, "target": target_node.node_id}
