@@ -54,6 +54,9 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def session_ids(self) -> set[str]:
+        return set(self._entries)
+
     @property
     def ttl_ms(self) -> int:
         return int(self.ttl_s * 1000)

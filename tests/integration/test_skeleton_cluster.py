@@ -372,18 +372,31 @@ def test_independent_branches_verify_together_and_release_the_plan_session(clust
     servicer = cluster.verify[0].servicer
     verify_engine = servicer.engine
 
-    async def main() -> tuple[list[coordinator_pb2.GenerateResponse], list[int]]:
+    opened: list[str] = []  # the request's Verify sessions in the order they open: the plan's first
+    add = servicer.sessions.add
+
+    def recording_add(value, owner):
+        opened.append(add(value, owner))
+        return opened[-1]
+
+    async def main() -> tuple[list[coordinator_pb2.GenerateResponse], list[set[str]]]:
         async with channel(cluster.address) as ch:
             responses, sessions_while_all_run = [], []
             async for response in coordinator_pb2_grpc.CoordinatorServiceStub(ch).Generate(request, timeout=TIMEOUT_S):
                 responses.append(response)
                 counts = {b: len([t for r in responses if r.branch_id == b for t in r.token_ids]) for b in (1, 2, 3)}
                 if all(1 <= n < max_new_tokens for n in counts.values()):
-                    sessions_while_all_run.append(servicer.num_sessions)
+                    # the stream runs rounds ahead of what the client has read: a branch may already be done
+                    sessions_while_all_run.append(servicer.sessions.session_ids())
             return responses, sessions_while_all_run
 
     before = (verify_engine.stats.num_forwards, verify_engine.stats.num_sequences_forwarded)
-    responses, sessions_while_all_run = _run(main())
+    servicer.sessions.add = recording_add
+    try:
+        responses, sessions_while_all_run = _run(main())
+    finally:
+        servicer.sessions.add = add
+    plan_ids = set(opened[:1])
     forwards, sequences = (a - b for a, b in zip((verify_engine.stats.num_forwards,
                                                   verify_engine.stats.num_sequences_forwarded), before))
     branches = _by_branch(responses)
@@ -397,5 +410,7 @@ def test_independent_branches_verify_together_and_release_the_plan_session(clust
     if drafter == "none":  # each branch: its fork gives token 1, then 9 rounds; 9 forwards of 3 sequences
         # add 2 * 9 = 18 sequences over the forwards (allow one round that split)
         assert sequences - forwards >= 2 * (max_new_tokens - 1) - 2, f"{sequences} sequences in {forwards} forwards"
-    assert sessions_while_all_run and sessions_while_all_run[-1] == 3, sessions_while_all_run
+    assert len(opened) == 4 and sessions_while_all_run, (opened, sessions_while_all_run)  # the plan and 3 branches
+    assert not sessions_while_all_run[-1] & plan_ids  # the plan's session is closed once every branch forked
+    assert any(len(ids) == 3 and not ids & plan_ids for ids in sessions_while_all_run)  # three branches at once
     _assert_sessions_closed(cluster)
