@@ -1,13 +1,15 @@
-"""The fused dequantize-matmul (kernel.cpp), built once per machine and cached; a torch fallback.
+"""The low-bit kernels (kernel.cpp: the matmul over 8-bit activations and low-bit weights; attention.cpp:
+the fixed-order attention), built once per machine and cached; a torch fallback.
 
-The C++ file has no torch headers, so it compiles in about two seconds with the system g++
-(`$CXX` to pick another) and is loaded with ctypes; OpenMP comes from the libgomp torch has already
+The C++ files have no torch headers, so they compile in about three seconds with the system g++
+(`$CXX` to pick another) and are loaded with ctypes; OpenMP comes from the libgomp torch has already
 loaded. The library lands in `$SPECMESH_HOME/kernels/lowbit-<hash>.so`, the hash covering the
-source, the flags, the compiler and the CPU's feature flags (it is built with -march=native), and is
+sources, the flags, the compiler and the CPU's feature flags (it is built with -march=native), and is
 written to a temporary name then renamed, so concurrent first uses are safe.
 
-Without a compiler (or with SPECMESH_LOWBIT_KERNEL=torch) every call dequantizes the weight and
-multiplies with `F.linear`: correct, batch-invariant only up to float rounding, and slow.
+Without a compiler (or with SPECMESH_LOWBIT_KERNEL=torch) every matmul quantizes the activations,
+dequantizes the weight and multiplies with `F.linear` (`reference_matmul`), and attention is SDPA:
+the same model up to float rounding, batch-invariant only up to that rounding, and slow.
 """
 
 from __future__ import annotations
