@@ -1,7 +1,7 @@
 """The simulator against the live local cluster: aggregate tokens/s, p50 / p95 latency and TTFT.
 
     .venv/bin/python bench/sim_validate.py [--concurrency 1 4 16] [--requests-per-client 4] [--max-new-tokens 64] [--k 4]
-                                           [--threads 1] [--cores N] [--quick]
+                                           [--threads 1] [--cores N] [--repeats 2] [--quick]
     .venv/bin/python bench/sim_validate.py --resimulate bench/results/sim_validate.json   # the sim side again, no live run
 
 1. Profile the default model in this process under the services' thread setting (`--threads`, each
@@ -12,26 +12,33 @@
 2. Start the cluster (Draft with the bf16 self-draft, Verify fp32, Coordinator; loopback, as
    `make run-cluster` does; Prometheus metrics on) and, per concurrency level c, run c closed-loop
    clients of `--requests-per-client` requests each through `specmesh bench`'s `run_level`
+   (the levels run `--repeats` times, interleaved: 1 4 16 1 4 16 ...)
    (speculative mode, the Draft service, fixed k, greedy). Measured per request: latency, TTFT,
    prompt and answer lengths (EOS ends some early), rounds, accepted tokens by position; per level:
    mean Propose / Verify RPC time and rows per batch (the services' metrics), and the machine's
    other load (/proc: CPU use of everything but the cluster and this process; runnable threads
    other than the Draft and Verify services', sampled every 0.2 s).
-3. Simulate each level with the same clients and the same requests replayed in the order they
+3. Simulate each level (each repeat) with the same clients and the same requests replayed in the order they
    started (`{sequence: [...]}` sizes, `speculation.acceptance_per_request` from each request's
    accepted tokens by position), from the tables of step 1. The Draft and Verify processes share
    one host of `--cores` cores (this machine's count by default), each asking `--threads` of them
    per forward (processor sharing, specmesh/sim/servers.py): with 1 thread each on 2 cores their
-   forwards run side by side, as live. Host variants, the main one first: the Coordinator's and the
-   bench client's CPU on the host's cores (`coordinator` / `clients` in the sim config), at the CPU
-   per message measured in the level: the process's utime + stime (/proc/<pid>/stat), less its rate
-   with no request (5 s before the levels), over the messages it handled (the Coordinator: 2 per Draft / Verify session call, from the services'
+   forwards run side by side, as live. Host variants, the main one first: every process's CPU
+   outside the forwards on the host's cores, measured in the level, not fitted: the Coordinator's and
+   the bench client's per message (`coordinator` / `clients` in the sim config): the process's utime
+   + stime (/proc/<pid>/stat), less its rate with no request (5 s before the levels), over the
+   messages it handled (the Coordinator: 2 per Draft / Verify session call, from the services'
    metrics, + the client's; the client: its request, the first token and one response per Verify
-   round, per request), not fitted; then, without them: the cores are the cluster's alone; plus the
+   round, per request); the Draft and Verify services' per call (`cpu_ms_per_call`): the process's
+   utime + stime less its idle rate and less its forwards' CPU (`forwards_cpu_s`: the services'
+   batch counts and shapes priced by the profile tables), over its RPCs (the metrics' counts, health
+   checks aside); then the Coordinator's and client's alone; then none: the cores are the cluster's alone; plus the
    other load's measured CPU use as background threads; plus its measured runnable threads
    (demand). Per variant one parameter is fitted, on c = 1 only: the per-message latency
    (`network.same_node.latency_ms`: the gRPC + asyncio cost per hop, which no forward-time table
-   holds), by bisection on tokens/s; c = 4 and 16 are predictions.
+   holds), by bisection on tokens/s (the median over the c = 1 repeats against the live median);
+   c = 4 and 16 are predictions. Live figures are the medians over the repeats (spread: min-max),
+   the sim's the median of the repeats' simulations.
    Every core per process is worse live (measured earlier: two OpenMP teams contend and c = 4 fell
    from 33.5 to 3.4 tokens/s), so the default is 1 thread per model process, as profiled.
 Writes bench/results/sim_validate.json (the live data first, then the comparison) and .md with the
@@ -48,6 +55,7 @@ import os
 import platform
 import random
 import re
+import statistics
 import sys
 import tempfile
 import threading
@@ -65,6 +73,7 @@ from client.cluster import Cluster  # noqa: E402
 from client.coordinator_client import CoordinatorClient  # noqa: E402
 from specmesh.sim.cluster import Simulation  # noqa: E402
 from specmesh.sim.config import config_from_dict  # noqa: E402
+from specmesh.sim.cost import CostTable  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 IDLE_S = 5.0  # the cluster left idle this long before the levels: each process's CPU without requests
@@ -83,6 +92,29 @@ def process_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (utime + stime) so far of each live thread of a process, by thread id."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    out = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def engine_thread_cpu_s(pid: int, before: dict[int, float], after: dict[int, float]) -> float:
+    """The CPU a service's engine thread took between two `thread_cpu_s` readings: the busiest thread
+    but the main one (the asyncio loop; `servicekit.engine_thread` runs every forward on a worker)."""
+    return max((cpu - before.get(tid, 0.0) for tid, cpu in after.items() if tid != pid), default=0.0)
 
 
 class CpuMeter:
@@ -216,11 +248,14 @@ def round_counts(num_rounds: int, accepted_per_position: str, seed: int) -> list
     return out
 
 
-def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float, background_threads: float,
-               cpu_ms_per_message: dict[str, float] | None = None) -> dict:
+def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float, background_threads: float = 0.0,
+               cpu_ms_per_message: dict[str, float] | None = None, cpu_ms_per_call: dict[str, float] | None = None,
+               engine_ms_per_call: dict[str, float] | None = None) -> dict:
     """The level as run: its clients, its requests in start order (sizes and, where recorded, each one's
     accepted counts per round), one host of `out["cores"]` cores with `background_threads` of other load
-    and, with `cpu_ms_per_message` ({"coordinator": ms, "clients": ms}), those processes' CPU on it."""
+    and, with `cpu_ms_per_message` ({"coordinator": ms, "clients": ms}), those processes' CPU on it;
+    with `cpu_ms_per_call` ({"draft": ms, "verify": ms}), the services' CPU outside their forwards on
+    their RPC threads, and with `engine_ms_per_call`, on their engine threads."""
     requests = level["requests"]
     speculation: dict = {"k": out["k"], "acceptance_marginal": level["acceptance_marginal"] or [0.0]}
     if all(r["rounds"] for r in requests):
@@ -228,11 +263,14 @@ def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float
             round_counts(r["rounds"], r["accepted_per_position"], r["index"]) if r.get("accepted_per_position") is not None
             else even_round_counts(r["rounds"], r["output_tokens"], out["k"]) for r in requests]
     threads = out["threads"]
+    per_call, engine = cpu_ms_per_call or {}, engine_ms_per_call or {}
     return {
         "mode": "distributed", "duration_s": 3600, "burn_in_s": 0, "seed": 0,
         "devices": {"target": {"table": tables["target"]}, "draft": {"table": tables["draft"]}},
-        "targets": [{"count": 1, "device": "target", "node": "host", "host": "localhost", "threads": threads}],
-        "drafts": [{"count": 1, "device": "draft", "node": "host", "host": "localhost", "threads": threads}],
+        "targets": [{"count": 1, "device": "target", "node": "host", "host": "localhost", "threads": threads,
+                     "cpu_ms_per_call": per_call.get("verify", 0.0), "engine_ms_per_call": engine.get("verify", 0.0)}],
+        "drafts": [{"count": 1, "device": "draft", "node": "host", "host": "localhost", "threads": threads,
+                    "cpu_ms_per_call": per_call.get("draft", 0.0), "engine_ms_per_call": engine.get("draft", 0.0)}],
         "hosts": {"localhost": {"cores": out["cores"], "background_threads": background_threads}},
         "network": {"coordinator_node": "host", "same_node": {"latency_ms": latency_ms}, "client": {"latency_ms": latency_ms}},
         **{name: {"host": "localhost", "cpu_ms_per_message": ms} for name, ms in (cpu_ms_per_message or {}).items()},
@@ -286,20 +324,82 @@ def cpu_ms_per_message(level: dict, idle_cores: dict[str, float]) -> dict[str, f
             "clients": max(0.0, client_s) / messages["clients"] * 1e3}
 
 
-def fit_latency(make_config, target_tokens_per_s: float, high: float = 500.0) -> float:
-    """The value (per-message latency in ms, or background threads) at which the simulated c = 1 run
-    matches the measured tokens/s; `high` when even that is too fast, 0 when even 0 is too slow."""
+def forwards_cpu_s(level: dict, tables: dict[str, CostTable], k: int) -> dict[str, float]:
+    """The CPU seconds the Draft and Verify services' forwards took in a live level, priced by the
+    profile tables (thread CPU time per forward) at the level's batches as the services' metrics
+    count them, each at the level's mean shape (rows per batch; context: the mean over rounds):
+    Verify: a prefill per request (its prompt; one chunk) + batches x forward(rows, tokens per row);
+    Draft: a prefill per request (the first Propose feeds the prompt) + batches x (a first forward
+    feeding 1 token per row, 2 when all k were accepted, + one 1-token forward per later position,
+    k = the mean drafted per call). Approximate: ragged batches are priced at their mean shape (a
+    fractional mean row count: the table interpolates linearly between row counts)."""
+    requests, services = level["requests"], level["services"]
+    num_rounds = sum(r["rounds"] for r in requests)
+    context = sum(r["rounds"] * (r["prompt_tokens"] + (r["output_tokens"] + 1) / 2) for r in requests) / max(1, num_rounds)
+    target, drafter = tables["target"], tables["draft"]
+    verify, draft = services["verify"], services["draft"]
+    verify_batches = verify.get("batches", verify["Verify_calls"] / verify["rows_per_batch_mean"])
+    rows = verify["Verify_calls"] / verify_batches
+    tokens_per_row = verify.get("tokens_per_row_mean", 1 + draft.get("draft_tokens", k * draft["Propose_calls"]) / verify["Verify_calls"])
+    verify_ms = (sum(target.forward_ms(1, r["prompt_tokens"], 0) for r in requests)
+                 + verify_batches * target.forward_ms(rows, tokens_per_row, context))
+    draft_batches = draft.get("batches", draft["Propose_calls"] / draft["rows_per_batch_mean"])
+    rows = draft["Propose_calls"] / draft_batches
+    k_mean = draft.get("draft_tokens", k * draft["Propose_calls"]) / draft["Propose_calls"]
+    marginal = level["acceptance_marginal"]
+    per_batch = drafter.forward_ms(rows, 1 + (marginal[k - 1] if len(marginal) >= k else 0.0), context)
+    position, later = 1, k_mean - 1
+    while later > 0:
+        per_batch += min(1.0, later) * drafter.forward_ms(rows, 1, context + position)
+        position, later = position + 1, later - 1
+    draft_ms = sum(drafter.forward_ms(1, r["prompt_tokens"] + 1, 0) for r in requests) + draft_batches * per_batch
+    return {"draft": draft_ms / 1e3, "verify": verify_ms / 1e3}
+
+
+def service_cpu(level: dict, idle_cores: dict[str, float], tables: dict[str, CostTable], k: int) -> dict[str, dict[str, float]]:
+    """Measured, per level and service (draft, verify): the process's CPU (/proc utime + stime), less
+    its idle rate over the level's wall time, less its forwards' CPU (`forwards_cpu_s`), over the RPCs
+    it handled (the metrics' counts, GetInfo health checks aside: they are in the idle rate):
+    `ms_per_call` (negative when the tables price the forwards above the whole process). Split by
+    thread where recorded: the engine thread's CPU less the forwards', over the Propose / Verify calls
+    (`engine_ms_per_call`: sampling, acceptance, KV bookkeeping), and the other threads' (the asyncio
+    loop, gRPC) less the idle rate, over every RPC (`rpc_ms_per_call`). The `sim_*` values, what the
+    simulation gets, are floored at 0."""
+    forwards = forwards_cpu_s(level, tables, k)
+    out = {}
+    for name, batched in (("draft", "Propose_calls"), ("verify", "Verify_calls")):
+        service = level["services"][name]
+        calls = sum(count for key, count in service.items() if key.endswith("_calls") and not key.startswith("GetInfo"))
+        cpu_s, idle_s = level["cpu"]["process_cpu_s"][name], idle_cores.get(name, 0.0) * level["wall_s"]
+        ms = (cpu_s - idle_s - forwards[name]) / calls * 1e3
+        d = {"cpu_s": cpu_s, "idle_s": idle_s, "forwards_cpu_s": forwards[name], "calls": calls, "ms_per_call": ms,
+             "sim_ms_per_call": max(0.0, ms)}
+        engine_s = level["cpu"].get("engine_thread_cpu_s", {}).get(name)
+        if engine_s is not None:
+            engine_ms = (engine_s - forwards[name]) / service[batched] * 1e3
+            rpc_ms = (cpu_s - engine_s - idle_s) / calls * 1e3
+            d.update({"engine_thread_cpu_s": engine_s, "batched_calls": service[batched], "engine_ms_per_call": engine_ms,
+                      "rpc_ms_per_call": rpc_ms, "sim_engine_ms_per_call": max(0.0, engine_ms), "sim_rpc_ms_per_call": max(0.0, rpc_ms)})
+        out[name] = d
+    return out
+
+
+def fit_latency(make_configs, target_tokens_per_s: float, high: float = 500.0) -> float:
+    """The value (per-message latency in ms, or background threads) at which the simulated c = 1 runs
+    (`make_configs(value)`: one config per repeat; their median tokens/s) match the measured tokens/s;
+    `high` when even that is too fast, 0 when even 0 is too slow."""
     low = 0.0
     for _ in range(24):
         mid = (low + high) / 2
-        if simulate_level(make_config(mid))["tokens_per_s"] > target_tokens_per_s:
+        if statistics.median(simulate_level(config)["tokens_per_s"] for config in make_configs(mid)) > target_tokens_per_s:
             low = mid
         else:
             high = mid
     return (low + high) / 2
 
 
-METRIC = re.compile(r'^specmesh_(request_seconds_sum|request_seconds_count|batch_size_sum|batch_size_count|forwards_total)(?:\{method="(\w+)"\})? (\S+)$')
+METRIC = re.compile(r'^specmesh_(request_seconds_sum|request_seconds_count|batch_size_sum|batch_size_count|batch_tokens_sum|'
+                    r'forwards_total|draft_tokens_total)(?:\{method="(\w+)"\})? (\S+)$')
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -320,7 +420,8 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def service_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Per level: mean RPC seconds by method (ms) and mean rows per engine batch."""
+    """Per level: mean RPC seconds by method (ms) and calls; engine batches, mean rows and (Verify)
+    tokens per row; draft tokens proposed."""
     diff = {key: after[key] - before.get(key, 0.0) for key in after}
     out = {}
     for key, count in diff.items():
@@ -330,6 +431,11 @@ def service_means(before: dict[str, float], after: dict[str, float]) -> dict[str
             out[f"{method}_calls"] = count
     if diff.get("batch_size_count", 0) > 0:
         out["rows_per_batch_mean"] = diff["batch_size_sum"] / diff["batch_size_count"]
+        out["batches"] = diff["batch_size_count"]
+        if diff.get("batch_tokens_sum", 0) > 0:
+            out["tokens_per_row_mean"] = diff["batch_tokens_sum"] / diff["batch_size_sum"]
+    if "draft_tokens_total" in diff:
+        out["draft_tokens"] = diff["draft_tokens_total"]
     return out
 
 
@@ -348,6 +454,8 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each model process and of the profiling")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores of the simulated host (this machine's)")
+    parser.add_argument("--repeats", type=int, default=2, help="run the live levels this many times (interleaved); "
+                        "the comparison takes the medians")
     parser.add_argument("--quick", action="store_true", help="concurrency 1 4, 2 requests per client, 32 new tokens")
     parser.add_argument("--resimulate", metavar="JSON", help="skip the profile and the live run: simulate again the tables and "
                         "live levels kept in this results file (e.g. after a simulator change)")
@@ -367,7 +475,7 @@ def main() -> int:
     prompts = [[{"role": "user", "content": t}] for t in DEFAULT_PROMPTS]
     prompt_lengths = [len(chat_prompt_ids(tokenizer, t)) for t in DEFAULT_PROMPTS]
     out: dict = {"machine": platform.processor() or platform.machine(), "cores": args.cores, "threads": args.threads, "k": args.k,
-                 "load_average_before": os.getloadavg(), "quick": args.quick,
+                 "load_average_before": os.getloadavg(), "quick": args.quick, "repeats": args.repeats,
                  "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client, "levels": []}
     with tempfile.TemporaryDirectory() as tmp:
         tables, out["profile_cpu"] = profile_tables(folder, args.threads, max(prompt_lengths), args.max_new_tokens, max(args.concurrency),
@@ -393,15 +501,18 @@ def main() -> int:
             time.sleep(IDLE_S)  # the processes' CPU with no request: health checks, timers (not per message)
             idle_wall_s = time.perf_counter() - idle_start
             out["idle_cores"] = {name: (process_cpu_s(pid) - idle_before[name]) / idle_wall_s for name, pid in pids.items()}
-            for c in args.concurrency:
+            for repeat, c in ((r, c) for r in range(args.repeats) for c in args.concurrency):
                 before = {name: scrape(url) for name, url in metrics_urls.items()}
                 load_before = os.getloadavg()[0]
                 cpu_before = {name: process_cpu_s(pid) for name, pid in pids.items()}
+                threads_before = {name: thread_cpu_s(pids[name]) for name in ("draft", "verify")}
                 meter.start()
                 sampler.start()
                 rows, wall_s = asyncio.run(live_level(address, prompts, c, args.requests_per_client, args.k, args.max_new_tokens))
                 cpu = {**meter.stop(), **sampler.stop()}
                 cpu["process_cpu_s"] = {name: process_cpu_s(pid) - cpu_before[name] for name, pid in pids.items()}
+                cpu["engine_thread_cpu_s"] = {name: engine_thread_cpu_s(pids[name], before_threads, thread_cpu_s(pids[name]))
+                                              for name, before_threads in threads_before.items()}
                 services = {name: service_means(before[name], scrape(url)) for name, url in metrics_urls.items()}
                 done = [r for r in rows if not r.error]
                 per_position: list[int] = []
@@ -410,7 +521,7 @@ def main() -> int:
                     for i, count in enumerate(int(x) for x in r.accepted_per_position.split()):
                         per_position.extend([0] * (i + 1 - len(per_position)))
                         per_position[i] += count
-                live.append({"clients": c, "tokens_per_s": sum(r.num_tokens for r in done) / wall_s,
+                live.append({"clients": c, "repeat": repeat, "tokens_per_s": sum(r.num_tokens for r in done) / wall_s,
                              "p50_s": nearest_rank([r.latency_s for r in done], 50), "p95_s": nearest_rank([r.latency_s for r in done], 95),
                              "num_requests": len(done), "num_failed": len(rows) - len(done),
                              "acceptance_marginal": [n / num_drafts for n in per_position] if num_drafts else [],
@@ -423,7 +534,7 @@ def main() -> int:
                              "requests": [{"index": r.index, "start_s": r.start_s, "prompt_tokens": prompt_lengths[r.prompt_index],
                                            "output_tokens": r.num_tokens, "latency_s": r.latency_s, "ttft_s": r.time_to_first_token_s,
                                            "rounds": r.num_drafts, "accepted_per_position": r.accepted_per_position} for r in done]})
-                print(f"live c={c}: {live[-1]['tokens_per_s']:.1f} tok/s, p50 {live[-1]['p50_s']:.2f} s, cpu {cpu}, {services}", flush=True)
+                print(f"live c={c} (repeat {repeat + 1} of {args.repeats}): {live[-1]['tokens_per_s']:.1f} tok/s, p50 {live[-1]['p50_s']:.2f} s, cpu {cpu}, {services}", flush=True)
 
         out["live"] = live
         (RESULTS / "sim_validate.json").write_text(json.dumps(out, indent=1) + "\n")  # the live data, kept even if the sim fails
@@ -432,8 +543,13 @@ def main() -> int:
 
 
 VARIANTS = {  # how the simulated host sees the rest of the machine's load (everything but the services' forwards)
+    "measured_cpu": "every process's CPU outside the forwards on the host's cores, as measured in each level (not fitted): the "
+                    "Coordinator's and the bench client's per message, the Draft and Verify services' per call (`service_cpu`) "
+                    "as a job on each service's RPC thread",
+    "measured_cpu_by_thread": "as the main variant, with each service's CPU per call split as measured by thread: the engine "
+                              "thread's (less the forwards') added to each call's batch, the other threads' on the RPC thread",
     "process_cpu": "the Coordinator's and the bench client's CPU on the host's cores, at their CPU per message measured in "
-                   "each level (/proc utime + stime over the messages handled; not fitted)",
+                   "each level (/proc utime + stime over the messages handled; not fitted); the services' only in their forwards",
     "alone": "the host's cores are the cluster's alone (the Coordinator's and the client's CPU only in the per-message latency)",
     "measured_load": "plus the other users' CPU use during the level (/proc: all busy CPU less the cluster's and the bench's) as background threads",
     "measured_demand": "plus the other load's demand during the level (runnable threads not of the Draft / Verify services, "
@@ -441,117 +557,225 @@ VARIANTS = {  # how the simulated host sees the rest of the machine's load (ever
     "fitted_background": "DIAGNOSTIC, not the issue's protocol: the per-message latency measured at c = 1 (live round - Propose - "
                          "Verify, over 4 messages) and the background threads fitted at c = 1 instead, held for c = 4 and 16",
 }
+FIGURES = ("tokens_per_s", "p50_s", "p95_s", "ttft_p50_s", "round_ms_mean")  # compared live (median) against the sim
 
 
-def process_cpu_table(out: dict, result: dict) -> list[str]:
-    """The main variant's measured inputs, and the CPU each process got live and in the sim."""
+def by_clients(live: list[dict]) -> list[list[dict]]:
+    """The live levels grouped by concurrency (one per repeat), in the order first run."""
+    groups: dict[int, list[dict]] = {}
+    for level in live:
+        groups.setdefault(level["clients"], []).append(level)
+    return list(groups.values())
+
+
+def live_figures(group: list[dict]) -> dict[str, float]:
+    """Medians over a concurrency's repeats: the compared figures and the services' metrics."""
+    def median(values) -> float:
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else float("nan")
+
+    figures = {key: median(level[key] for level in group) for key in FIGURES}
+    for name, service, key in (("propose_ms", "draft", "Propose_ms_mean"), ("verify_ms", "verify", "Verify_ms_mean"),
+                               ("draft_rows", "draft", "rows_per_batch_mean"), ("verify_rows", "verify", "rows_per_batch_mean"),
+                               ("draft_open_ms", "draft", "OpenSession_ms_mean"), ("draft_close_ms", "draft", "CloseSession_ms_mean"),
+                               ("verify_close_ms", "verify", "CloseSession_ms_mean")):
+        figures[name] = median(level["services"].get(service, {}).get(key) for level in group)
+    return figures
+
+
+def median_dict(dicts: list) -> dict | None:
+    """Key by key, the median of dicts of numbers (nested dicts alike); None when they are None."""
+    if dicts[0] is None:
+        return None
+    return {key: median_dict([d[key] for d in dicts]) if isinstance(dicts[0][key], dict) else statistics.median(d[key] for d in dicts)
+            for key in dicts[0]}
+
+
+def variant_applies(variant: str, live: list[dict]) -> bool:
+    """Whether the results hold what the variant needs (older results files lack some measurements)."""
+    cpu = [level.get("cpu", {}) for level in live]
+    if variant in ("measured_load", "measured_demand"):
+        return all({"measured_load": "others_cores", "measured_demand": "others_runnable"}[variant] in c for c in cpu)
+    if variant == "process_cpu":
+        return all("process_cpu_s" in c for c in cpu)
+    if variant in ("measured_cpu", "measured_cpu_by_thread"):
+        return all("draft" in c.get("process_cpu_s", {}) and "Propose_calls" in level["services"].get("draft", {})
+                   and "Verify_calls" in level["services"].get("verify", {})
+                   and (variant == "measured_cpu" or "engine_thread_cpu_s" in c) for c, level in zip(cpu, live))
+    if variant == "fitted_background":
+        return "Propose_ms_mean" in live[0]["services"].get("draft", {})
+    return True
+
+
+def variant_inputs(variant: str, level: dict, out: dict, cost_tables: dict[str, CostTable], fitted_background: float) -> dict:
+    """`sim_config`'s keyword arguments for a level under a variant: the other load and the processes' CPU."""
     idle = out.get("idle_cores", {})
-    idle_note = (f"; ms per message is net of the process's idle CPU (over {IDLE_S:.0f} s with no request before the levels: "
-                 f"Coordinator {idle.get('coordinator', 0.0):.3f} cores, bench {idle.get('bench', 0.0):.3f})" if idle else "")
-    lines = ["The processes' CPU (/proc utime + stime over the level; cores = CPU s / the level's wall time). Messages are counted "
-             f"as the simulator counts them (`messages_handled`){idle_note}; the sim's cores are its jobs' CPU over its makespan. "
-             "Draft + Verify: the two service processes' whole CPU live, against the sim's forwards alone (the rest of the host's "
-             "busy cores).", "",
-             "| clients | Coordinator CPU s / messages | ms per message | Coordinator cores live / sim | bench client CPU s / messages | "
-             "ms per message | client cores live / sim | Draft + Verify cores live / sim forwards |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for a, lv in zip(out["live"], result["levels"]):
-        cpu, b, ms, messages = a["cpu"], lv["sim"], lv["cpu_ms_per_message"], messages_handled(a)
-        coordinator_s, client_s = cpu["process_cpu_s"]["coordinator"], cpu["process_cpu_s"]["bench"] - cpu["sampler_cpu_s"]
-        services_cores = (cpu["process_cpu_s"]["draft"] + cpu["process_cpu_s"]["verify"]) / a["wall_s"]
-        forwards_cores = b["core_utilisation"] * out["cores"] - b.get("coordinator_cores", 0.0) - b.get("clients_cores", 0.0)
-        lines.append(f"| {a['clients']} | {coordinator_s:.2f} / {messages['coordinator']} | {ms['coordinator']:.2f} | "
-                     f"{coordinator_s / a['wall_s']:.2f} / {b.get('coordinator_cores', 0.0):.2f} | {client_s:.2f} / {messages['clients']} | "
-                     f"{ms['clients']:.2f} | {client_s / a['wall_s']:.2f} / {b.get('clients_cores', 0.0):.2f} | "
-                     f"{services_cores:.2f} / {forwards_cores:.2f} |")
+    if variant == "measured_cpu":
+        return {"cpu_ms_per_message": cpu_ms_per_message(level, idle),
+                "cpu_ms_per_call": {name: v["sim_ms_per_call"] for name, v in service_cpu(level, idle, cost_tables, out["k"]).items()}}
+    if variant == "measured_cpu_by_thread":
+        services = service_cpu(level, idle, cost_tables, out["k"])
+        return {"cpu_ms_per_message": cpu_ms_per_message(level, idle),
+                "cpu_ms_per_call": {name: v["sim_rpc_ms_per_call"] for name, v in services.items()},
+                "engine_ms_per_call": {name: v["sim_engine_ms_per_call"] for name, v in services.items()}}
+    if variant == "process_cpu":
+        return {"cpu_ms_per_message": cpu_ms_per_message(level, idle)}
+    if variant == "measured_load":
+        return {"background_threads": level["cpu"]["others_cores"]}
+    if variant == "measured_demand":
+        return {"background_threads": level["cpu"]["others_runnable"]}
+    if variant == "fitted_background":
+        return {"background_threads": fitted_background}
+    return {}
+
+
+def with_spread(group: list[dict], key: str, fmt: str, scale: float = 1.0) -> str:
+    """The live median, and the repeats' min-max when there are several."""
+    values = [level[key] * scale for level in group]
+    text = format(statistics.median(values), fmt)
+    return f"{text} ({format(min(values), fmt)}-{format(max(values), fmt)})" if len(values) > 1 else text
+
+
+def measured_cpu_table(out: dict, result: dict) -> list[str]:
+    """The measured CPU outside the forwards per level (medians over the repeats), and the CPU live and in the sim."""
+    idle = out.get("idle_cores", {})
+    lines = ["The CPU outside the forwards, measured per level (medians over the repeats; /proc utime + stime over the level). "
+             "Per service: the process's CPU, less its idle rate (over "
+             f"{IDLE_S:.0f} s with no request before the levels: Draft {idle.get('draft', 0.0):.3f} cores, Verify "
+             f"{idle.get('verify', 0.0):.3f}), less its forwards' CPU (`forwards_cpu_s`: the metrics' batches priced by the profile "
+             "tables) = the rest, over the RPCs it handled (OpenSession, Propose / Verify, CloseSession): ms per RPC, what the main "
+             "variant gives each RPC thread (a negative rest, the tables pricing the forwards above the whole process, as 0). "
+             "By thread (/proc/<pid>/task): the engine thread's CPU less the forwards', per Propose / Verify call, and the other "
+             "threads' less the idle rate, per RPC (the by-thread variant's inputs).", "",
+             "| clients | service | CPU s | idle s | forwards s | rest s | RPCs | ms per RPC | engine thread s | engine - forwards, ms per call "
+             "| other threads - idle, ms per RPC |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in result["levels"]:
+        for name in ("draft", "verify"):
+            d = lv["service_cpu"][name]
+            split = (f"{d['engine_thread_cpu_s']:.2f} | {d['engine_ms_per_call']:.2f} | {d['rpc_ms_per_call']:.2f}"
+                     if "engine_thread_cpu_s" in d else "- | - | -")
+            lines.append(f"| {lv['clients']} | {name} | {d['cpu_s']:.2f} | {d['idle_s']:.2f} | {d['forwards_cpu_s']:.2f} | "
+                         f"{d['cpu_s'] - d['idle_s'] - d['forwards_cpu_s']:+.2f} | {d['calls']:.0f} | {d['ms_per_call']:.2f} | {split} |")
+    lines += ["", "The Coordinator's and the client's CPU per message (`cpu_ms_per_message`, net of idle: Coordinator "
+              f"{idle.get('coordinator', 0.0):.3f} cores, bench {idle.get('bench', 0.0):.3f}); the two services' CPU live (over the "
+              "level's wall time) against the sim's forwards and RPC threads (over its makespan).", "",
+              "| clients | Coordinator / client ms per message | Draft + Verify cores live / sim (of which RPC threads) |", "|---:|---:|---:|"]
+    for lv in result["levels"]:
+        b, per_message = lv["sim"], lv["cpu_ms_per_message"]
+        rpc_cores = sum(value for key, value in b.items() if key.endswith("/rpc_cores"))
+        sim_cores = b["core_utilisation"] * out["cores"] - b.get("coordinator_cores", 0.0) - b.get("clients_cores", 0.0)
+        lines.append(f"| {lv['clients']} | {per_message['coordinator']:.2f} / {per_message['clients']:.2f} | "
+                     f"{lv['services_cores_live']:.2f} / {sim_cores:.2f} ({rpc_cores:.2f}) |")
     return [*lines, ""]
 
 
-def process_cpu_reading(out: dict) -> list[str]:
+def reading(out: dict) -> list[str]:
     """What the main variant's measurements say, in figures of this run."""
-    if "process_cpu" not in out["variants"]:
+    if "measured_cpu" not in out["variants"]:
         return []
-    live, levels = out["live"], out["variants"]["process_cpu"]["levels"]
-    per_message = [lv["cpu_ms_per_message"]["coordinator"] for lv in levels]
-    cores = [(a["cpu"]["process_cpu_s"]["coordinator"] + a["cpu"]["process_cpu_s"]["bench"] - a["cpu"]["sampler_cpu_s"]) / a["wall_s"]
-             for a in live]
-    services = [(a["cpu"]["process_cpu_s"]["draft"] + a["cpu"]["process_cpu_s"]["verify"]) / a["wall_s"] for a in live]
-    forwards = [lv["sim"]["core_utilisation"] * out["cores"] - lv["sim"].get("coordinator_cores", 0.0) - lv["sim"].get("clients_cores", 0.0)
-                for lv in levels]
-    top = live[-1]["clients"]
-    return [f"The main variant puts the Coordinator's and the bench client's CPU on the host, as measured: the Coordinator "
-            f"{min(per_message):.2f}-{max(per_message):.2f} ms per message, and the two processes together "
-            f"{min(cores):.2f}-{max(cores):.2f} of the {out['cores']} cores over the levels. That is too little to be the missing "
-            f"contention at c = {top}: the per-message cost is mostly wall time that is not these processes' CPU (the fitted residual "
-            f"latency, {out['variants']['process_cpu']['fitted_latency_ms']:.2f} ms, against "
-            f"{out['variants']['alone']['fitted_latency_ms']:.2f} ms without them), and what the variant adds is mostly the queueing "
-            "of messages on the Coordinator's one thread. Nor does the sim under-count the services' CPU: the Draft and Verify "
-            f"processes' whole CPU live at c = {top} is {services[-1]:.2f} cores, the sim's forwards {forwards[-1]:.2f}. What is "
-            f"left at c = {top} (the sim's mean round {levels[-1]['error']['round_ms_mean']:+.0%} against live) these "
-            "measurements do not locate.", ""]
+    main, levels = out["variants"]["measured_cpu"], out["variants"]["measured_cpu"]["levels"]
+    per_call = {name: [lv["service_cpu"][name]["ms_per_call"] for lv in levels] for name in ("draft", "verify")}
+    top = levels[-1]
+    lines = [f"The main variant adds the Draft and Verify services' CPU outside their forwards, measured: Draft "
+             f"{min(per_call['draft']):.2f} to {max(per_call['draft']):.2f} ms per call, Verify {min(per_call['verify']):.2f} to "
+             f"{max(per_call['verify']):.2f} ms over the levels (c = {', '.join(str(lv['clients']) for lv in levels)}: Draft "
+             f"{', '.join(f'{v:.2f}' for v in per_call['draft'])}; Verify {', '.join(f'{v:.2f}' for v in per_call['verify'])}). "
+             f"The residual per-message latency fitted at c = 1 is {main['fitted_latency_ms']:.2f} ms"]
+    if "process_cpu" in out["variants"]:
+        other = out["variants"]["process_cpu"]
+        lines[0] += (f", against {other['fitted_latency_ms']:.2f} ms with the Coordinator's and client's CPU only; at c = {top['clients']} "
+                     f"tok/s / p50 / p95 errors go from {other['levels'][-1]['error']['tokens_per_s']:+.0%} / "
+                     f"{other['levels'][-1]['error']['p50_s']:+.0%} / {other['levels'][-1]['error']['p95_s']:+.0%} to "
+                     f"{top['error']['tokens_per_s']:+.0%} / {top['error']['p50_s']:+.0%} / {top['error']['p95_s']:+.0%}")
+    if "measured_cpu_by_thread" in out["variants"]:
+        split = out["variants"]["measured_cpu_by_thread"]["levels"]
+        engine = {name: [lv["service_cpu"][name]["engine_ms_per_call"] for lv in split] for name in ("draft", "verify")}
+        lines[0] += (f". By thread, the engine threads' share is Draft {', '.join(f'{v:.2f}' for v in engine['draft'])} and Verify "
+                     f"{', '.join(f'{v:.2f}' for v in engine['verify'])} ms per Propose / Verify call; with it on the engine threads "
+                     f"(the by-thread variant) c = {split[-1]['clients']} errors are {split[-1]['error']['tokens_per_s']:+.0%} / "
+                     f"{split[-1]['error']['p50_s']:+.0%} / {split[-1]['error']['p95_s']:+.0%}")
+    lines[0] += (f". What is left at c = {top['clients']} in the main variant: the sim's mean round {top['error']['round_ms_mean']:+.0%} "
+                 f"and TTFT {top['error']['ttft_p50_s']:+.0%} against live.")
+    live = top["live"]
+    lines += ["", "Not in the sim: the session calls' own time on the request's path. The client's stream ends only after the "
+              "Coordinator's CloseSession calls (Verify, then Draft; its driver closes in `finally`), and the Draft.OpenSession "
+              "after the first token is awaited before the first Propose; each runs on its service's engine thread, queued "
+              f"behind forwards. At c = {top['clients']} the services' metrics give them {live['verify_close_ms']:.0f} + "
+              f"{live['draft_close_ms']:.0f} ms (closes) and {live['draft_open_ms']:.0f} ms (Draft open) per request, against a live "
+              f"p50 of {live['p50_s'] * 1e3:.0f} ms; the sim closes off the path and opens the Draft session inside the first Propose.", ""]
+    return lines
 
 
 def compare(out: dict) -> None:
-    """Per variant: fit on c = 1, simulate every level; write the JSON and the markdown tables."""
+    """Per variant: fit on c = 1, simulate every level (each repeat); write the JSON and the markdown tables."""
     live = out["live"]
+    groups = by_clients(live)
+    first = groups[0]
     out["variants"] = {}
+    cost_tables = {role: CostTable.from_json(table) for role, table in out["tables"].items()}
     with tempfile.TemporaryDirectory() as tmp:
         tables = {}
         for role, table in out["tables"].items():
             tables[role] = str(Path(tmp) / f"{role}.json")
             Path(tables[role]).write_text(json.dumps(table))
         for variant in VARIANTS:
-            key = {"measured_load": "others_cores", "measured_demand": "others_runnable"}.get(variant)
-            if key is not None and not all(key in level.get("cpu", {}) for level in live):
+            if not variant_applies(variant, live):
                 continue
-            if variant == "process_cpu" and not all("process_cpu_s" in level.get("cpu", {}) for level in live):
-                continue  # a results file from before the processes' CPU was measured
-
-            def processes(level: dict, variant: str = variant) -> dict[str, float] | None:
-                return cpu_ms_per_message(level, out.get("idle_cores", {})) if variant == "process_cpu" else None
-
-            fitted_background = 0.0
+            fitted_background, first_live = 0.0, live_figures(first)
             if variant == "fitted_background":
-                if "Propose_ms_mean" not in live[0]["services"].get("draft", {}):
-                    continue
-                services = live[0]["services"]
-                latency_ms = max(0.0, (live[0]["round_ms_mean"] - services["draft"]["Propose_ms_mean"]
-                                       - services["verify"]["Verify_ms_mean"]) / 4)
-                fitted_background = fit_latency(lambda threads: sim_config(out, tables, live[0], latency_ms, threads),
-                                                live[0]["tokens_per_s"], high=32.0)
-
-            def background(level: dict, key: str | None = key) -> float:
-                return level["cpu"][key] if key is not None else fitted_background
-
+                latency_ms = max(0.0, (first_live["round_ms_mean"] - first_live["propose_ms"] - first_live["verify_ms"]) / 4)
+                fitted_background = fit_latency(lambda threads, ms=latency_ms: [sim_config(out, tables, lv, ms, threads) for lv in first],
+                                                first_live["tokens_per_s"], high=32.0)
+            inputs = {id(lv): variant_inputs(variant, lv, out, cost_tables, fitted_background) for lv in live}
             if variant != "fitted_background":
-                latency_ms = fit_latency(lambda ms: sim_config(out, tables, live[0], ms, background(live[0]), processes(live[0])),
-                                         live[0]["tokens_per_s"])
+                latency_ms = fit_latency(lambda ms, inputs=inputs: [sim_config(out, tables, lv, ms, **inputs[id(lv)]) for lv in first],
+                                         first_live["tokens_per_s"])
             levels = []
-            for level in live:
-                sim = simulate_level(sim_config(out, tables, level, latency_ms, background(level), processes(level)))
-                errors = {key: sim[key] / level[key] - 1 for key in ("tokens_per_s", "p50_s", "p95_s", "ttft_p50_s", "round_ms_mean")}
-                levels.append({"clients": level["clients"], "background_threads": background(level), "sim": sim, "error": errors,
-                               "fitted_here": level is live[0], "cpu_ms_per_message": processes(level)})
+            for group in groups:
+                sims = [simulate_level(sim_config(out, tables, lv, latency_ms, **inputs[id(lv)])) for lv in group]
+                sim = {key: statistics.median(s[key] for s in sims) for key in sims[0]}
+                figures = live_figures(group)
+                given = [inputs[id(lv)] for lv in group]
+                level = {"clients": group[0]["clients"], "repeats": len(group), "live": figures,
+                         "live_spread": {key: [min(lv[key] for lv in group), max(lv[key] for lv in group)] for key in FIGURES},
+                         "sim": sim, "sim_repeats": sims, "error": {key: sim[key] / figures[key] - 1 for key in FIGURES},
+                         "fitted_here": group is first,
+                         "background_threads": statistics.median(g.get("background_threads", 0.0) for g in given),
+                         "cpu_ms_per_message": median_dict([g.get("cpu_ms_per_message") for g in given]),
+                         "cpu_ms_per_call": median_dict([g.get("cpu_ms_per_call") for g in given]),
+                         "engine_ms_per_call": median_dict([g.get("engine_ms_per_call") for g in given])}
+                if variant in ("measured_cpu", "measured_cpu_by_thread"):
+                    level["service_cpu"] = median_dict([service_cpu(lv, out.get("idle_cores", {}), cost_tables, out["k"]) for lv in group])
+                    level["services_cores_live"] = statistics.median(
+                        (lv["cpu"]["process_cpu_s"]["draft"] + lv["cpu"]["process_cpu_s"]["verify"]) / lv["wall_s"] for lv in group)
+                levels.append(level)
             out["variants"][variant] = {"fitted_latency_ms": latency_ms, "levels": levels}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "sim_validate.json").write_text(json.dumps(out, indent=1) + "\n")
 
-    def cpu_note(level: dict) -> str:
-        cpu = level.get("cpu")
-        if not cpu:
+    def cpu_note(group: list[dict]) -> str:
+        cpus = [level.get("cpu") for level in group]
+        if not all(cpus):
             return ""
-        demand = f", {cpu['others_runnable']:.2f} other runnable threads" if "others_runnable" in cpu else ""
-        return f"c = {level['clients']}: {cpu['others_cores']:.2f} others' / {cpu['ours_cores']:.2f} ours{demand}"
+        demand = (f", {statistics.median(c['others_runnable'] for c in cpus):.2f} other runnable threads"
+                  if all("others_runnable" in c for c in cpus) else "")
+        return (f"c = {group[0]['clients']}: {statistics.median(c['others_cores'] for c in cpus):.2f} others' / "
+                f"{statistics.median(c['ours_cores'] for c in cpus):.2f} ours{demand}")
 
     profile_cpu = out.get("profile_cpu", {})
     replayed = ("sizes and accepted tokens per round" if live[0]["requests"][0].get("accepted_per_position") is not None
                 else "sizes, and each request's accepted total over its rounds")
     slowed = ", ".join(f"{role} {table['meta'].get('wall_over_cpu', float('nan')):.2f}" for role, table in out["tables"].items())
     loads = ", ".join(f"{level['load_average_1m'][0]:.1f}" for level in live)
+    repeats = max(len(group) for group in groups)
+    flags = (" --quick" if out["quick"] else "") + (f" --repeats {repeats}" if repeats != 2 else "")
     lines = ["# Simulator vs the live cluster", "",
-             f"`.venv/bin/python bench/sim_validate.py{' --quick' if out['quick'] else ''}`: default model, Draft (bf16 self-draft) + "
+             f"`.venv/bin/python bench/sim_validate.py{flags}`: default model, Draft (bf16 self-draft) + "
              f"Verify (fp32) + Coordinator on loopback, {out['threads']} torch thread(s) per model process, k = {out['k']}, greedy, "
-             f"{out['requests_per_client']} requests per client, up to {out['max_new_tokens']} new tokens. Simulated as one host of "
+             f"{out['requests_per_client']} requests per client, up to {out['max_new_tokens']} new tokens; the levels run {repeats} "
+             f"time(s), interleaved: live figures are the medians over the repeats (min-max in brackets), each repeat is simulated "
+             f"with its own requests and measured inputs and the sim figure is the median. Simulated as one host of "
              f"{out['cores']} cores (processor sharing, specmesh/sim/servers.py), the measured requests replayed in start order "
              f"({replayed}). Cost tables: {out['tables']['target']['meta'].get('clock', 'wall')} time (the profile's wall / cpu: "
              f"{slowed}). Machine load (1-min average) before the profile {out['load_average_before'][0]:.1f}, before each level: "
@@ -559,36 +783,34 @@ def compare(out: dict) -> None:
     if profile_cpu or any("cpu" in level for level in live):
         others = ", ".join(f"{role} {cpu['others_cores']:.2f}" for role, cpu in profile_cpu.items())
         lines += [f"CPU in use (cores) on this {out['cores']}-core machine, from /proc: other users' during the profile: {others}; "
-                  f"during the live levels: {'; '.join(cpu_note(level) for level in live)}.", ""]
+                  f"during the live levels (medians): {'; '.join(cpu_note(group) for group in groups)}.", ""]
     for variant, result in out["variants"].items():
         fitted = (f"per-message latency {result['fitted_latency_ms']:.2f} ms (measured), background {result['levels'][0]['background_threads']:.2f} "
                   "threads (fitted)" if variant == "fitted_background" else f"per-message latency {result['fitted_latency_ms']:.2f} ms")
         lines += [f"## Host model: {VARIANTS[variant]}", "", f"Fitted on c = 1: {fitted}.", "",
                   "| clients | live tok/s | sim tok/s | error | live p50 s | sim p50 s | error | live p95 s | sim p95 s | error |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for a, lv in zip(live, result["levels"]):
+        for group, lv in zip(groups, result["levels"]):
             b, e = lv["sim"], lv["error"]
-            lines.append(f"| {lv['clients']}{' (fit)' if lv['fitted_here'] else ''} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
-                         f"{e['tokens_per_s']:+.0%} | {a['p50_s']:.2f} | {b['p50_s']:.2f} | {e['p50_s']:+.0%} | {a['p95_s']:.2f} | "
-                         f"{b['p95_s']:.2f} | {e['p95_s']:+.0%} |")
-        lines += ["", "Where the time goes (live: client timings and the services' Prometheus metrics; sim: the same run simulated). "
-                  "Round = (latency - TTFT) / rounds; Propose / Verify = mean RPC time at the service (queue + batch window + forward), "
-                  "sim = mean engine time of one batch.", "",
+            lines.append(f"| {lv['clients']}{' (fit)' if lv['fitted_here'] else ''} | {with_spread(group, 'tokens_per_s', '.1f')} | "
+                         f"{b['tokens_per_s']:.1f} | {e['tokens_per_s']:+.0%} | {with_spread(group, 'p50_s', '.2f')} | {b['p50_s']:.2f} | "
+                         f"{e['p50_s']:+.0%} | {with_spread(group, 'p95_s', '.2f')} | {b['p95_s']:.2f} | {e['p95_s']:+.0%} |")
+        lines += ["", "Where the time goes (live: client timings and the services' Prometheus metrics, medians; sim: the same runs "
+                  "simulated). Round = (latency - TTFT) / rounds; Propose / Verify = mean RPC time at the service (queue + batch "
+                  "window + forward), sim = mean engine time of one batch.", "",
                   "| clients | TTFT p50 live / sim ms | round live / sim ms | Propose live ms / sim draft batch ms | "
                   "Verify live ms / sim verify job ms | rows per draft batch live / sim | rows per verify batch live / sim | sim host cores busy |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for a, lv in zip(live, result["levels"]):
-            b = lv["sim"]
-            draft, verify = a["services"].get("draft", {}), a["services"].get("verify", {})
+        for lv in result["levels"]:
+            a, b = lv["live"], lv["sim"]
             lines.append(f"| {lv['clients']} | {a['ttft_p50_s'] * 1e3:.0f} / {b['ttft_p50_s'] * 1e3:.0f} | {a['round_ms_mean']:.0f} / "
-                         f"{b['round_ms_mean']:.0f} | {draft.get('Propose_ms_mean', float('nan')):.0f} / {b['draft_batch_ms_mean']:.0f} | "
-                         f"{verify.get('Verify_ms_mean', float('nan')):.0f} / {b['verify_batch_ms_mean']:.0f} | "
-                         f"{draft.get('rows_per_batch_mean', float('nan')):.2f} / {b['draft_rows_mean']:.2f} | "
-                         f"{verify.get('rows_per_batch_mean', float('nan')):.2f} / {b['verify_rows_mean']:.2f} | {b['core_utilisation']:.0%} |")
+                         f"{b['round_ms_mean']:.0f} | {a['propose_ms']:.0f} / {b['draft_batch_ms_mean']:.0f} | "
+                         f"{a['verify_ms']:.0f} / {b['verify_batch_ms_mean']:.0f} | {a['draft_rows']:.2f} / {b['draft_rows_mean']:.2f} | "
+                         f"{a['verify_rows']:.2f} / {b['verify_rows_mean']:.2f} | {b['core_utilisation']:.0%} |")
         lines.append("")
-        if variant == "process_cpu":
-            lines += process_cpu_table(out, result)
-    lines += ["## Reading the tables", "", *process_cpu_reading(out),
+        if variant == "measured_cpu":
+            lines += measured_cpu_table(out, result)
+    lines += ["## Reading the tables", "", *reading(out),
               "This machine is shared: other users' jobs ran throughout (their CPU use and runnable threads above). The kernel "
               "shares the cores between autogroups (/proc/sys/kernel/sched_autogroup_enabled = 1; the cluster starts each service "
               "in a session of its own), not between threads, so neither the others' CPU use (what they got: too little) nor "

@@ -30,8 +30,16 @@ Verify (both), the round's tokens out; at the end: Draft and Verify CloseSession
 per round in distributed mode, 6 + 3 per round in the others (no Draft). The tokens out are sent while the
 session goes on (the live Coordinator reads ahead); the client process handles the request it sends
 and each response it receives (2 + 1 per round), and a token counts as delivered once it has.
-Not modelled: KV admission limits, failures and failover, Skeleton-of-Thought, adaptive k, the CPU
-the Draft and Verify services spend outside forwards (gRPC, asyncio: in the per-message latency).
+The Draft and Verify services' CPU outside their forwards (`cpu_ms_per_call` per group, off by
+default): each RPC a service handles is a job on its RPC thread (FIFO, beside its engine thread, on
+its host's cores), run when the request arrives, before the call's work: Verify.OpenSession before
+the prefill, each Verify (Step) before it joins the batcher, each Propose before it joins the Draft
+batcher (the first also carries Draft.OpenSession, whose round trip is not modelled), and each
+service's CloseSession after the last reply, off the request's path. `engine_ms_per_call`: the
+engine thread's work per Propose / Verify call outside the forward, added to its batch's job.
+Not modelled: KV admission limits, failures and failover, Skeleton-of-Thought, adaptive k, the
+session calls' own engine-thread work (live, Draft.OpenSession and both CloseSessions queue behind
+forwards, and the client's stream ends only after the CloseSessions).
 """
 
 from __future__ import annotations
@@ -71,8 +79,9 @@ def build_cost(config: SimConfig, device: str, role: str) -> CostModel:
 
 
 class Process:
-    """A process outside the engines (the coordinator, the clients): one thread whose every message
-    handled costs `s_per_message` of CPU, as a job on its engine (a host's cores, or a core of its own)."""
+    """A process outside the engines (the coordinator, the clients) or a service's RPC thread: one
+    thread whose every message (call) handled costs `s_per_message` of CPU, as a job on its engine (a
+    host's cores, or a core of its own)."""
 
     def __init__(self, engine: Engine, s_per_message: float):
         self.engine = engine
@@ -101,6 +110,7 @@ class Simulation:
         self._client_s_per_byte = 8.0 / (net.client.bandwidth_mbps * 1e6) if net.client.bandwidth_mbps > 0 else 0.0
 
         self.hosts: dict[str, Host] = {}
+        self.rpc_threads: dict[str, Process] = {}  # service name -> its RPC thread, where its CPU per call is modelled
         self.coordinator = self._process("coordinator", config.coordinator)
         self.client_process = self._process("clients", config.clients)
         self.targets: dict[str, tuple[TargetServer, NetLink, float, CostModel | None]] = {}
@@ -112,7 +122,9 @@ class Simulation:
                 name = f"target{gi}.{i}"
                 server = TargetServer(self.env, name, cost, self.window, group.max_batch_tokens, group.batch_window_ms,
                                       group.prefill_chunk_tokens, self._engine(name, group.host, group.threads))
+                server.engine_s_per_call = group.engine_ms_per_call / 1e3
                 self.targets[name] = (server, self._link(name, group.node), group.fused_draft_ms_per_token, fused_cost)
+                self._add_rpc_thread(name, group.host, group.cpu_ms_per_call)
                 replicas.append(Replica(name, weight=group.weight))
         self.target_set = ReplicaSet(replicas, make_router(**config.router), rng=random.Random(f"{seed}/router"),
                                      cooldown_s=None, clock=lambda: self.env.now)
@@ -126,7 +138,9 @@ class Simulation:
                     name = f"draft{gi}.{i}"
                     drafter = DraftServer(self.env, name, cost, self.window, dgroup.max_batch_sessions, dgroup.batch_window_ms,
                                           self._engine(name, dgroup.host, dgroup.threads))
+                    drafter.engine_s_per_call = dgroup.engine_ms_per_call / 1e3
                     self.drafts.append((drafter, self._link(name, dgroup.node)))
+                    self._add_rpc_thread(name, dgroup.host, dgroup.cpu_ms_per_call)
                     draft_replicas.append(Replica(name, weight=dgroup.weight))
         self._draft_by_name = {d.name: (d, link) for d, link in self.drafts}
         self.draft_set = ReplicaSet(draft_replicas, make_router(**config.draft_router), rng=random.Random(f"{seed}/draft_router"),
@@ -157,6 +171,11 @@ class Simulation:
         if spec.cpu_ms_per_message <= 0:
             return None
         return Process(self._engine(name, spec.host, 1), spec.cpu_ms_per_message / 1e3)
+
+    def _add_rpc_thread(self, service: str, host: str, cpu_ms_per_call: float) -> None:
+        """A Draft / Verify service's RPC thread (1 thread of its host), when its CPU per call is modelled."""
+        if cpu_ms_per_call > 0:
+            self.rpc_threads[service] = Process(self._engine(f"{service}/rpc", host, 1), cpu_ms_per_call / 1e3)
 
     def _handle(self, process: Process | None, at_s: float, num_messages: int):
         """`num_messages` reach `process` at `at_s` (now or later) and it handles them (one job, FIFO
@@ -274,9 +293,11 @@ class Simulation:
             self.max_sessions_per_target = replica.num_in_flight
         server, link, fused_ms_per_token, fused_cost = self.targets[replica.id]
         record.target = replica.id
+        target_rpc = self.rpc_threads.get(server.name)
         draft: DraftServer | None = None
         draft_link: NetLink | None = None
         draft_replica: Replica | None = None
+        draft_rpc: Process | None = None
         if mode == "distributed":
             if config.draft_assignment == "routed":
                 draft_replica = self.draft_set.acquire()
@@ -284,11 +305,13 @@ class Simulation:
             else:
                 draft, draft_link = self.drafts[conv_id % len(self.drafts)]
             record.draft = draft.name
+            draft_rpc = self.rpc_threads.get(draft.name)
             draft.num_sessions += 1  # Draft.OpenSession only records the prompt: the first Propose prefills it
 
         # Generate, Draft.OpenSession (request, response), the Verify.OpenSession request
         yield from self._handle(coordinator, env.now, 2 if draft is None else 4)
         yield env.timeout(link.send_down(env.now, overhead + per_token * num_prompt) - env.now)
+        yield from self._handle(target_rpc, env.now, 1)  # Verify.OpenSession at the service
         for job_ms in server.prefill_jobs_ms(num_prompt):
             yield server.run_job(job_ms / 1e3)
         server.num_sessions += 1
@@ -301,6 +324,8 @@ class Simulation:
         q_bytes = config.speculation.q_bytes_per_draft_token
         trace_offset = conv_id % len(self.acceptance.trace) if self.acceptance.trace else 0  # sessions start apart
         fused_opened = False
+        draft_opened = draft is not None and max_new_tokens > 1  # the driver opens it after the first token
+        draft_calls = int(draft_opened)  # calls the Draft service has yet to handle: Draft.OpenSession
         while generated < max_new_tokens:
             k = min(k_max, max_new_tokens - generated - 1)
             context = num_prompt + generated
@@ -309,11 +334,14 @@ class Simulation:
                 assert draft is not None and draft_link is not None
                 t = yield from self._handle(coordinator, t, 1)  # the Propose request
                 yield env.timeout(draft_link.send_down(t, overhead + per_token * new_input) - env.now)
+                yield from self._handle(draft_rpc, env.now, draft_calls + 1)  # the Propose (and the OpenSession first)
+                draft_calls = 0
                 yield draft.propose(draft_feed, k, context - draft_feed)
                 t = draft_link.send_up(env.now, overhead + (per_token + q_bytes) * k)
                 num_handled = 2  # and the Propose response
             t = yield from self._handle(coordinator, t, num_handled)
             yield env.timeout(link.send_down(t, overhead + (per_token + q_bytes) * k) - env.now)
+            yield from self._handle(target_rpc, env.now, 1)  # the Verify (Step) call at the service
             if mode == "fused" and k > 0:
                 draft_ms = k * fused_ms_per_token
                 if fused_cost is not None:
@@ -346,6 +374,10 @@ class Simulation:
         record.num_output_tokens = generated
         if coordinator is not None:  # CloseSession (request, response) at the Verify and the Draft service, after the last reply
             coordinator.run(2 if draft is None else 4, env.now in self.window)
+        if target_rpc is not None:  # each service's CloseSession, once the last reply is handled: off the path
+            env.process(self._handle(target_rpc, t, 1))
+        if draft_rpc is not None and draft_opened:
+            env.process(self._handle(draft_rpc, t, draft_calls + 1))
         if delivery is None:
             record.end_s = t + self._client_s(overhead + per_token)
         if t > env.now:
@@ -401,7 +433,8 @@ class Simulation:
                       for name, h in self.hosts.items()},
             "processes": {name: {"num_messages": p.num_messages, "cpu_s": p.num_messages * p.s_per_message,
                                  "busy_s": p.engine.busy_s}  # busy: wall time with a job running (slowed when shared)
-                          for name, p in (("coordinator", self.coordinator), ("clients", self.client_process)) if p is not None},
+                          for name, p in (("coordinator", self.coordinator), ("clients", self.client_process),
+                                          *((f"{service}/rpc", rpc) for service, rpc in self.rpc_threads.items())) if p is not None},
             "virtual_s": self.config.duration_s,
             "wall_s": wall_s,
             "virtual_s_per_wall_s": self.config.duration_s / wall_s if wall_s > 0 else float("inf"),

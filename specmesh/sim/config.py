@@ -25,6 +25,12 @@ each message the process handles (a request or response it sends or receives) is
 ms of one core, FIFO on the process's one thread, sharing the host's cores with the forwards. No
 host: a core of its own (the work still queues). 0 (the default): not modelled, as before; the
 per-message cost then lives only in the link latency.
+The Draft and Verify services' own CPU outside their forwards (gRPC, protobuf, validation, the
+batcher): `cpu_ms_per_call` on a target or draft group, a job of that many ms of one core per RPC
+the service handles, on the service's RPC thread (beside its engine thread) and its host's cores;
+`engine_ms_per_call`, the engine thread's own work per Propose / Verify call outside the forward
+(sampling, acceptance, KV bookkeeping), added to the job of the batch the call rides in. 0 (the
+defaults): not modelled.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ class TargetGroup:
     prefill_chunk_tokens: int = 512  # VerifyOptions.prefill_chunk_tokens; 0 = one forward
     fused_draft_device: str = ""  # cost of the hosted drafter (fused mode); "" = `fused_draft_ms_per_token`
     fused_draft_ms_per_token: float = 0.0  # an n-gram drafter costs about nothing
+    cpu_ms_per_call: float = 0.0  # CPU (ms of one core) per RPC handled outside the forwards; 0 = not modelled
+    engine_ms_per_call: float = 0.0  # engine-thread CPU per Verify call outside the forward, added to its batch's job
 
 
 @dataclass
@@ -67,6 +75,8 @@ class DraftGroup:
     weight: float = 1.0
     max_batch_sessions: int = 64  # DraftOptions.max_batch_sessions
     batch_window_ms: float = 2.0  # DraftOptions.batch_window_ms
+    cpu_ms_per_call: float = 0.0  # as for targets
+    engine_ms_per_call: float = 0.0  # as for targets, per Propose call
 
 
 @dataclass
@@ -180,6 +190,8 @@ class SimConfig:
             raise ValueError("a group with `host:` stands for one process on that host: count must be 1")
         if any(g.threads < 1 for g in groups) or any(h.cores < 1 or h.background_threads < 0 for h in self.hosts.values()):
             raise ValueError("threads and hosts' cores must be >= 1, background_threads >= 0")
+        if any(g.cpu_ms_per_call < 0 or g.engine_ms_per_call < 0 for g in groups):
+            raise ValueError("cpu_ms_per_call and engine_ms_per_call of targets and drafts must be >= 0")
         processes = {"coordinator": self.coordinator, "clients": self.clients}
         for name, process in processes.items():
             if process.cpu_ms_per_message < 0:

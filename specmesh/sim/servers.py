@@ -21,13 +21,15 @@ load, `background_threads`, counts as threads asked). Worked example
 alone at full speed and ends at 17.5 ms. No randomness: the same run gives the same schedule.
 Assumptions: a forward's time scales with the share of the cores it gets (exact for 1-thread
 forwards time-sliced on a core; optimistic for multi-thread OpenMP teams that oversubscribe cores,
-which spin and lose more than their share); memory bandwidth and caches are not shared; the
-services' own non-forward CPU (gRPC, asyncio) is not on the host (it is in the per-message latency).
-The coordinator's and the clients' CPU can be (`Process` in cluster.py): 1-thread `HostedEngine` jobs.
+which spin and lose more than their share); memory bandwidth and caches are not shared. CPU outside
+the forwards is on the host only where the config gives it: the coordinator's and the clients' per
+message, the services' per call on their RPC threads (`Process` in cluster.py): 1-thread
+`HostedEngine` jobs; otherwise it lives in the per-message latency.
 
 `BatchingServer.run` is `servicekit.batching.WindowBatcher._run` in virtual time: take calls first
 in, first out, up to `max_batch_cost` (at least one call); before each batch sleep `batch_window_ms`
-unless every open session already has a call queued; run the batch as one engine job. The Verify
+unless every open session already has a call queued; run the batch as one engine job (its forwards,
+plus `engine_ms_per_call` per call it holds: the engine thread's own work outside the forwards). The Verify
 service (`TargetServer`) counts tokens against `max_batch_tokens`; the Draft service
 (`DraftServer`) counts sessions against `max_batch_sessions`. Prefill chunks are engine jobs too
 (`target_service.servicer._prefill`), so they interleave with batches in FIFO order, each delaying
@@ -274,6 +276,7 @@ class BatchingServer:
         self.engine: Engine = engine or DeviceEngine(env, name, window)
         self.max_batch_cost = max_batch_cost
         self.window_s = batch_window_ms / 1e3
+        self.engine_s_per_call = 0.0  # engine-thread CPU per call outside the forward (sampling, acceptance), added to its batch
         self.num_sessions = 0  # open sessions: the batcher's expected callers
         self.queue: deque[Call] = deque()
         self.queue_depth = TimeAverage(window)
@@ -332,7 +335,7 @@ class BatchingServer:
             if self.window_s > 0 and len(self.queue) < self.num_sessions:
                 yield env.timeout(self.window_s)
             batch = self._take()
-            done = self.run_job(self.batch_ms([c.payload for c in batch]) / 1e3)
+            done = self.run_job(self.batch_ms([c.payload for c in batch]) / 1e3 + len(batch) * self.engine_s_per_call)
             if env.now in self.window:
                 self.num_batches += 1
                 self.num_batch_rows += len(batch)

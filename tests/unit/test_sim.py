@@ -340,3 +340,89 @@ def test_zero_process_cpu_changes_nothing():
     assert slowed.summary["throughput_tokens_per_s"] < plain.summary["throughput_tokens_per_s"]
     clients = slowed.summary["processes"]["clients"]
     assert clients["busy_s"] > clients["cpu_s"] == pytest.approx(clients["num_messages"] * 0.0005)  # slowed on the shared core
+
+
+def test_service_cpu_per_call_on_its_own_core():
+    """test_hand_worked_schedule with each service's CPU at 1 ms per call, its RPC thread on a core of
+    its own (no host), so every call delays its work by 1 ms:
+        t = 1.000  Verify.OpenSession [1.000, 1.001]; prefill -> 1.011 (TTFT 11 ms)
+        round 1: Draft.OpenSession + Propose (2 ms) -> 1.013; draft 3 x 1 ms -> 1.016; Verify call
+                 -> 1.017; verify -> 1.027
+        rounds 2 and 3: 1 + 3 + 1 + 10 ms each -> 1.042, 1.057
+        round 4 (k = 0): Verify call -> 1.058; verify -> 1.068
+    e2e 68 ms (59 + 9 calls on the path); then each service's CloseSession. Calls handled: Verify 1 +
+    4 + 1, Draft 1 + 3 + 1."""
+    result = simulate(config_from_dict(base_config(
+        duration_s=3, burn_in_s=0, speculation={"k": 3, "acceptance_trace": [2, 0, 3]},
+        targets=[{"count": 1, "device": "target", "cpu_ms_per_call": 1.0}],
+        drafts=[{"count": 1, "device": "draft", "node": "target", "cpu_ms_per_call": 1.0}],
+        workload={"arrival": "trace", "trace": [{"arrival_s": 1.0, "prompt_tokens": 16, "output_tokens": 10}]})))
+    (r,) = result.requests
+    assert r.ttft_s == pytest.approx(0.011)
+    assert r.e2e_s == pytest.approx(0.068)
+    processes = result.summary["processes"]
+    assert (processes["target0.0/rpc"]["num_messages"], processes["draft0.0/rpc"]["num_messages"]) == (6, 5)
+    assert processes["target0.0/rpc"]["cpu_s"] == pytest.approx(0.006)
+
+
+def service_cpu_on_one_core(cpu_ms_per_call: float):
+    """Two one-token requests (a 10 ms prefill each, arriving at 0 and 6 ms) to a Verify service on
+    one core, its CPU per call on the same core; autoregressive, no network."""
+    return simulate(config_from_dict(base_config(
+        mode="autoregressive", duration_s=1, burn_in_s=0,
+        targets=[{"count": 1, "device": "target", "host": "box", "cpu_ms_per_call": cpu_ms_per_call}], hosts={"box": {"cores": 1}},
+        workload={"arrival": "trace", "trace": [{"arrival_s": t, "prompt_tokens": 8, "output_tokens": 1} for t in (0.0, 0.006)]})))
+
+
+def test_service_cpu_per_call_shares_the_core_with_forwards():
+    """The Verify service's calls (4 ms each, on its RPC thread) and its prefills share the one core.
+    A: OpenSession [0, 4] alone; prefill from 4. B: its OpenSession from 6 beside A's prefill (8 ms
+    left): both at 1/2 speed: B's call ends at 14 (4 ms late), A's prefill has 4 ms left, alone: ends
+    at 18 (4 ms late) -> A's first token. A's CloseSession (4 ms) from 18 beside B's prefill (which
+    waited for the engine), both at 1/2: the close ends at 26, B's prefill has 6 ms left, alone: 32
+    -> B's TTFT 26 ms. Without the CPU per call: A's TTFT 10 ms, B's 14 ms."""
+    result = service_cpu_on_one_core(4.0)
+    a, b = result.requests
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(0.018), pytest.approx(0.026))
+    assert (a.end_s, b.end_s) == (pytest.approx(0.018), pytest.approx(0.032))
+    assert result.summary["hosts"]["box"]["core_utilisation"] == pytest.approx(0.020 + 0.016)  # prefills + 4 calls
+    assert result.summary["processes"]["target0.0/rpc"]["busy_s"] == pytest.approx(0.004 + 0.008 + 0.008 + 0.004)
+    a, b = service_cpu_on_one_core(0.0).requests
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(0.010), pytest.approx(0.014))
+
+
+def test_zero_service_cpu_changes_nothing():
+    """`cpu_ms_per_call: 0` and `engine_ms_per_call: 0` (the defaults) on both services give the run
+    as without the keys."""
+    def run(cpu_ms_per_call: float | None):
+        extra = {} if cpu_ms_per_call is None else {"cpu_ms_per_call": cpu_ms_per_call, "engine_ms_per_call": cpu_ms_per_call}
+        return simulate(config_from_dict(base_config(
+            duration_s=20, targets=[{"count": 1, "device": "target", "host": "box", **extra}],
+            drafts=[{"count": 1, "device": "draft", "node": "target", "host": "box", **extra}], hosts={"box": {"cores": 2}},
+            speculation={"k": 3, "acceptance": [0.7]}, network={"same_node": {"latency_ms": 0.3}, "client": {"latency_ms": 0.2}},
+            coordinator={"host": "box", "cpu_ms_per_message": 0.3},
+            workload={"arrival": "closed", "num_clients": 4, "prompt_tokens": [16, 40], "output_tokens": [20, 50]})))
+
+    plain, zero = run(None), run(0.0)
+    assert [(r.first_token_s, r.end_s) for r in zero.requests] == [(r.first_token_s, r.end_s) for r in plain.requests]
+    assert list(zero.summary["processes"]) == ["coordinator"]
+    slowed = run(2.0)
+    assert slowed.summary["throughput_tokens_per_s"] < plain.summary["throughput_tokens_per_s"]
+    with pytest.raises(ValueError, match="cpu_ms_per_call and engine_ms_per_call of targets and drafts must be >= 0"):
+        config_from_dict(base_config(targets=[{"count": 1, "device": "target", "cpu_ms_per_call": -1}]))
+
+
+def test_engine_ms_per_call_lengthens_each_batch():
+    """test_hand_worked_schedule with 2 ms of engine-thread work per call at the Verify service and
+    1 ms at the Draft service: each round's Propose batch (one call) takes 1 ms more and each verify
+    2 ms more; the prefill is not a call: TTFT stays 10 ms; 3 Proposes + 4 verifies: e2e 59 + 3 + 8 =
+    70 ms."""
+    def run(target_ms: float, draft_ms: float):
+        return simulate(config_from_dict(base_config(
+            duration_s=3, burn_in_s=0, speculation={"k": 3, "acceptance_trace": [2, 0, 3]},
+            targets=[{"count": 1, "device": "target", "engine_ms_per_call": target_ms}],
+            drafts=[{"count": 1, "device": "draft", "node": "target", "engine_ms_per_call": draft_ms}],
+            workload={"arrival": "trace", "trace": [{"arrival_s": 1.0, "prompt_tokens": 16, "output_tokens": 10}]})))
+
+    (r,) = run(2.0, 1.0).requests
+    assert (r.ttft_s, r.e2e_s) == (pytest.approx(0.010), pytest.approx(0.070))
