@@ -6,8 +6,8 @@ up to `max_batch_tokens` (at least one call). The collection window (`window_ms`
 first call of an idle service; under load the calls that arrive while a forward runs ride in the next.
 If a batched forward fails (e.g. the KV pool is full), each call is retried alone so the error reaches
 only the calls it belongs to (the engine rolls a failed forward back completely).
-Every forward's (tokens, ms) feeds a `LinearCostFit`; each result carries the fitted `ForwardCost`,
-so the clients' adaptive k counts what a draft token costs the whole batch.
+Each result carries the `ForwardCost` the verifier fits over its rounds' forwards
+(`TargetVerifier.forward_cost`), so the clients' adaptive k counts what a draft token costs the whole batch.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from servicekit.batching import WindowBatcher
 from servicekit.engine_thread import EngineThread
 from servicekit.metrics import ServiceMetrics
-from specmesh.decoding.adaptive import ForwardCost, LinearCostFit
+from specmesh.decoding.adaptive import ForwardCost
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.types import VerifyOutcome
 from specmesh.decoding.verifier import TargetSession, TargetVerifier
@@ -44,10 +44,9 @@ class VerifyResult:
     cost: ForwardCost | None = None  # the service's fit of a forward's cost, when determined
 
 
-def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall],
-                     fit: LinearCostFit | None = None) -> list[VerifyResult | Exception]:
-    """Engine thread: one verify_many forward for all calls (per-call retries if it fails); the
-    forward's time feeds `fit`."""
+def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall]) -> list[VerifyResult | Exception]:
+    """Engine thread: one verify_many forward for all calls (per-call retries if it fails), with the
+    verifier's fitted forward cost as this batch's share."""
     start = time.perf_counter()
     try:
         outcomes = verifier.verify_many([c.session for c in calls], [c.proposal for c in calls])
@@ -65,10 +64,7 @@ def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall],
         return results
     verify_ms = (time.perf_counter() - start) * 1e3
     tokens = sum(c.num_tokens for c in calls)
-    cost = None
-    if fit is not None:
-        fit.observe(tokens, verify_ms)
-        cost = fit.cost(len(calls))
+    cost = verifier.forward_cost(len(calls))
     return [VerifyResult(outcome, len(calls), verify_ms, tokens, cost) for outcome in outcomes]
 
 
@@ -80,9 +76,8 @@ class VerifyBatcher(WindowBatcher):
             metrics.batch_size.observe(len(calls))
             metrics.batch_tokens.observe(sum(c.num_tokens for c in calls))
 
-        self.cost_fit = LinearCostFit()
         super().__init__(
-            engine_thread, lambda calls: run_verify_batch(verifier, calls, self.cost_fit), window_ms, max_batch_tokens,
+            engine_thread, lambda calls: run_verify_batch(verifier, calls), window_ms, max_batch_tokens,
             cost=lambda call: call.num_tokens, on_batch=on_batch, on_queue_depth=metrics.queue_depth.set,
             expected_callers=expected_callers,
         )

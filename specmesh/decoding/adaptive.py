@@ -12,8 +12,9 @@ Estimates are exponential moving averages. The acceptance estimate treats a roun
 Bernoulli trials: n accepted of k drafted is n successes and (n < k) one failure.
 
 Under load the prior beta is wrong. A batched verify forward of N tokens costs about A + B * N ms
-(A: reading the weights, B: compute per token; `LinearCostFit` fits both on the Verify service,
-which reports them with each round as a `ForwardCost`). Maximising the batch's tokens per ms, each
+(A: reading the weights, B: compute per token; `TargetVerifier` fits both with a `LinearCostFit` over
+its rounds' forwards, which the Verify service reports with each round as a `ForwardCost` and the
+in-process loop passes on). Maximising the batch's tokens per ms, each
 of n sessions should count its share of the forward, A / n + B * (1 + k): so beta = B / (A / n + B).
 One session on a GPU: A >> B, beta ~ 0 (draft long). Sixteen sessions on a CPU, which is compute-bound
 already: beta near 1, and a draft token must be accepted with probability > beta to pay its way,
