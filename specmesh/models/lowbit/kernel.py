@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -120,27 +119,28 @@ def _entry(lib: ctypes.CDLL, weight: QuantWeight):
     return getattr(lib, name) if name in _SIGNATURES else None
 
 
-def bind_matmul(weight: QuantWeight, lib: ctypes.CDLL | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """x: float32 [M, in] -> [M, out] through the compiled kernel (`lib`, default the cached build), with the
-    entry point and the weight's pointers resolved once; None when the kernel cannot serve this weight."""
-    lib = lib or library()
-    entry = None if lib is None or weight.codes.device.type != "cpu" else _entry(lib, weight)
-    if entry is None:
-        return None
-    in_features, out_features = weight.in_features, weight.out_features
-    pointers = [weight.codes.data_ptr(), weight.scales.data_ptr()]
-    held = (weight.codes, weight.scales, weight.offsets)
-    if weight.layout == "q4":
-        assert weight.offsets is not None
-        pointers.append(weight.offsets.data_ptr())
-    def matmul(x: torch.Tensor) -> torch.Tensor:
-        assert held  # the closure holds the weight's tensors, so the pointers stay valid
+class BoundMatmul:
+    """x: float32 [M, in] -> [M, out] through one entry point of the compiled kernel, with the weight's
+    pointers resolved once (it holds the weight, so they stay valid)."""
+
+    def __init__(self, entry, weight: QuantWeight):
+        self.entry, self.weight = entry, weight
+        tensors = [weight.codes, weight.scales] + ([] if weight.offsets is None else [weight.offsets])
+        self.pointers = [t.data_ptr() for t in tensors]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        entry(x.data_ptr(), x.shape[0], in_features, *pointers, out_features, y.data_ptr(), torch.get_num_threads())
+        y = torch.empty(x.shape[0], self.weight.out_features, dtype=torch.float32)
+        self.entry(x.data_ptr(), x.shape[0], self.weight.in_features, *self.pointers, self.weight.out_features,
+                   y.data_ptr(), torch.get_num_threads())
         return y
 
-    return matmul
+
+def bind_matmul(weight: QuantWeight, lib: ctypes.CDLL | None = None) -> BoundMatmul | None:
+    """The kernel bound to `weight` (`lib`, default the cached build); None when it cannot serve this weight."""
+    lib = lib or library()
+    entry = None if lib is None or weight.codes.device.type != "cpu" else _entry(lib, weight)
+    return None if entry is None else BoundMatmul(entry, weight)
 
 
 def fused_matmul(x: torch.Tensor, weight: QuantWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
