@@ -152,6 +152,13 @@ inline __m512 chunk_scales(const S *p) {
     return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(v));
 }
 
+// One chunk's integer dots into the lanes: acc + float(dot) * (weight scale * activation scale), the float
+// operations chunk_portable does lane by lane.
+inline __m512 accumulate_chunk(__m512 acc, __m512i dot, __m512 weight_scales, const Row &x, int64_t c) {
+    const __m512 scale = _mm512_mul_ps(weight_scales, _mm512_loadu_ps(x.lane_scale + c * LANES));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+}
+
 // tree_sum's order with shuffles: halves, quarters, pairs, then the last two lanes.
 inline float tree_sum_vnni(__m512 v) {
     const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -199,8 +206,7 @@ void q4_pass(const Row *rows, int64_t K, const uint8_t *codes, const S *scales, 
             const __m512 ws = chunk_scales<S, 2>(sc + 2 * c);
             for (int r = 0; r < ROWS; r++) {
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(rows[r].q + c * CHUNK));
-                const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(rows[r].lane_scale + c * LANES));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                acc[r] = accumulate_chunk(acc[r], dot, ws, rows[r], c);
             }
         }
         if (c == chunks) {  // no tail chunk: reduce in registers
@@ -243,8 +249,7 @@ void q8_pass(const Row *rows, int64_t K, const int8_t *codes, const S *scales, i
                 const __m512i xq = _mm512_loadu_si512(rows[r].q + c * CHUNK);
                 const __m512i signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_x);
-                const __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(rows[r].lane_scale + c * LANES));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                acc[r] = accumulate_chunk(acc[r], dot, ws, rows[r], c);
             }
         }
         if (c == chunks) {
