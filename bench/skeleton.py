@@ -5,7 +5,9 @@ Scenarios, each through the coordinator's Generate stream (client-side wall time
 - SoT, target only / SoT, n-gram drafts: a fixed plan of 4 independent points (forced whole with
   `skeleton_prefix`, so the skeleton is its prompt's prefill and one EOS: SmolLM2-135M copies the
   prompt's example plan, dependencies included, which chains its points); the 4 branches are forked
-  from the skeleton session and decoded side by side (max_parallel 4).
+  from the skeleton session and decoded side by side (max_parallel 4), in each branch layout:
+  batching (a sequence per branch, rows of one forward) and one_sequence (regions of one sequence,
+  one attention row per round). Both layouts must give the same tokens (checked).
 - sequential branches: the same 4 point prompts decoded one after another as plain requests (chat
   messages: each prompt prefilled), target only / n-gram: the same tokens (greedy), checked.
 - plain answer: the question alone decoded with max_new_tokens = the SoT answer's branch tokens
@@ -80,10 +82,14 @@ async def run(address: str, request: coordinator_pb2.GenerateRequest) -> dict:
         return {"wall_s": time.perf_counter() - start, "tokens": tokens, "texts": texts, "last": last}
 
 
-def sot_request(prefix: str, drafter: str) -> coordinator_pb2.GenerateRequest:
+LAYOUTS = {"batching": common_pb2.BRANCH_LAYOUT_BATCHING, "one_sequence": common_pb2.BRANCH_LAYOUT_ONE_SEQUENCE}
+
+
+def sot_request(prefix: str, drafter: str, layout: str = "batching") -> coordinator_pb2.GenerateRequest:
     return coordinator_pb2.GenerateRequest(
         chat=chat([{"role": "user", "content": QUESTION}]), mode=MODES["sot"], drafter=drafter, skeleton_prefix=prefix,
-        max_parallel=4, sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS))
+        max_parallel=4, sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS),
+        skeleton_layout=LAYOUTS[layout])
 
 
 def plain_request(messages: list[dict[str, str]], drafter: str, max_new_tokens: int, ignore_eos: bool = False):
@@ -92,16 +98,16 @@ def plain_request(messages: list[dict[str, str]], drafter: str, max_new_tokens: 
         sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos))
 
 
-def engine_counts(engine) -> tuple[int, int]:
-    """(forwards, sequences forwarded) of the Verify service's engine so far."""
-    return engine.stats.num_forwards, engine.stats.num_sequences_forwarded
+def engine_counts(engine) -> tuple[int, int, int]:
+    """(forwards, sequences forwarded, attention rows) of the Verify service's engine so far."""
+    return engine.stats.num_forwards, engine.stats.num_sequences_forwarded, engine.stats.num_attention_rows
 
 
 async def counted(address: str, request: coordinator_pb2.GenerateRequest, engine) -> dict:
-    """`run`, with the engine's forwards and sequences during it (the only request running)."""
+    """`run`, with the engine's forwards, sequences and rows during it (the only request running)."""
     before = engine_counts(engine)
     result = await run(address, request)
-    result["forwards"], result["sequences"] = (a - b for a, b in zip(engine_counts(engine), before))
+    result["forwards"], result["sequences"], result["rows"] = (a - b for a, b in zip(engine_counts(engine), before))
     return result
 
 
@@ -118,7 +124,8 @@ def sot_summary(result: dict) -> dict:
         "mean_accepted_length": last.stats.mean_accepted_length, "estimate": last.skeleton.parallel_speedup_estimate,
         "prefilled_branches": last.skeleton.num_prefilled_branches, "branches": branches,
         "plan": result["texts"].get(0, ""), "direct_reason": last.skeleton.direct_reason,
-        "forwards": result.get("forwards", 0), "sequences": result.get("sequences", 0),
+        "forwards": result.get("forwards", 0), "sequences": result.get("sequences", 0), "rows": result.get("rows", 0),
+        "tokens": {str(k): v for k, v in result["tokens"].items() if k > 0},
     }
 
 
@@ -154,8 +161,11 @@ async def scenarios(address: str, engine) -> dict:
     await run(address, sot_request(PLAN, "ngram"))  # warm-up: the grammar compiles, the first forwards settle
     for _ in range(REPEATS):
         for drafter in ("none", "ngram"):
+            one = sot_summary(await counted(address, sot_request(PLAN, drafter, "one_sequence"), engine))
+            runs.setdefault(f"sot_{drafter}_one_sequence", []).append(one)
             sot = await counted(address, sot_request(PLAN, drafter), engine)
             runs.setdefault(f"sot_{drafter}", []).append(sot_summary(sot))
+            one["same_tokens_as_batching"] = one["tokens"] == runs[f"sot_{drafter}"][-1]["tokens"]
             runs.setdefault(f"sequential_{drafter}", []).append(await sequential_branches(address, drafter, skeleton, sot))
             num_tokens = sum(sot_summary(sot)["branch_tokens"])
             runs.setdefault(f"plain_{drafter}", []).append(await plain_answer(address, drafter, num_tokens))
@@ -183,7 +193,10 @@ def render(out: dict) -> str:
         "| scenario | wall s | tokens | tokens/s | vs SoT target-only |",
         "|---|---|---|---|---|",
     ]
-    rows = [("SoT, target-only branches (batched)", "sot_none"), ("SoT, n-gram speculative branches (batched)", "sot_ngram"),
+    rows = [("SoT, target-only branches (batching layout)", "sot_none"),
+            ("SoT, target-only branches (one-sequence layout)", "sot_none_one_sequence"),
+            ("SoT, n-gram speculative branches (batching layout)", "sot_ngram"),
+            ("SoT, n-gram speculative branches (one-sequence layout)", "sot_ngram_one_sequence"),
             ("sequential branches, target only (same tokens)", "sequential_none"),
             ("sequential branches, n-gram (same tokens)", "sequential_ngram"),
             ("plain answer, target only (same number of tokens)", "plain_none"),
@@ -194,8 +207,12 @@ def render(out: dict) -> str:
                      f"{med[name]['wall_s'] / med['sot_none']['wall_s']:.2f}x |")
     speedups = {
         "SoT target-only vs sequential branches target-only": med["sequential_none"]["wall_s"] / med["sot_none"]["wall_s"],
+        "SoT target-only, one-sequence layout, vs sequential branches target-only":
+            med["sequential_none"]["wall_s"] / med["sot_none_one_sequence"]["wall_s"],
         "SoT target-only vs plain answer target-only": med["plain_none"]["wall_s"] / med["sot_none"]["wall_s"],
         "SoT n-gram vs sequential branches n-gram": med["sequential_ngram"]["wall_s"] / med["sot_ngram"]["wall_s"],
+        "SoT n-gram, one-sequence layout, vs sequential branches n-gram":
+            med["sequential_ngram"]["wall_s"] / med["sot_ngram_one_sequence"]["wall_s"],
         "SoT n-gram vs plain answer target-only (SoT + speculation vs plain decoding)":
             med["plain_none"]["wall_s"] / med["sot_ngram"]["wall_s"],
         "SoT n-gram vs plain answer n-gram": med["plain_ngram"]["wall_s"] / med["sot_ngram"]["wall_s"],
@@ -205,25 +222,33 @@ def render(out: dict) -> str:
     lines += [f"| {name} | {value:.2f}x |" for name, value in speedups.items()]
     lines += ["", "SoT runs in detail (the first run of each):", "",
               "| SoT run | skeleton ms | skeleton share | branch tokens | branch wall ms | mean accepted length | "
-              "stats' speedup bound | prefilled branches | target forwards | sequences per forward |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for label, rs in (("target-only branches", sot_none), ("n-gram branches", sot_ngram), ("model's own plan, n-gram", [out["own_plan"]])):
+              "stats' speedup bound | prefilled branches | target forwards | sequences per forward | attention rows per forward |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, rs in (("target-only branches", sot_none), ("target-only branches, one sequence", runs["sot_none_one_sequence"]),
+                      ("n-gram branches", sot_ngram), ("n-gram branches, one sequence", runs["sot_ngram_one_sequence"]),
+                      ("model's own plan, n-gram", [out["own_plan"]])):
         r = rs[0]
         lines.append(f"| {label} | {r['skeleton_ms']:.0f} | {r['skeleton_share']:.0%} | {r['branch_tokens']} | "
                      f"{[b['wall_ms'] for b in r['branches']]} | {r['mean_accepted_length']:.2f} | {r['estimate']:.2f}x | "
-                     f"{r['prefilled_branches']} | {r['forwards']} | {r['sequences'] / max(1, r['forwards']):.2f} |")
+                     f"{r['prefilled_branches']} | {r['forwards']} | {r['sequences'] / max(1, r['forwards']):.2f} | "
+                     f"{r['rows'] / max(1, r['forwards']):.2f} |")
     own = out["own_plan"]
     spread = sot_none[0]["branch_tokens"]
     # a target-only round emits one token per sequence: the plain answer's ms per forward (1 sequence)
     # against the SoT branch phase's ms per round of its longest branch (up to 4 sequences per forward)
     plain_round_ms = statistics.median(r["wall_s"] * 1e3 / r["generated_tokens"] for r in runs["plain_none"])
     sot_round_ms = statistics.median(r["branches_ms"] / max(b["rounds"] for b in r["branches"]) for r in sot_none)
-    out["round_ms"] = {"plain_target_only": plain_round_ms, "sot_target_only_branch_phase": sot_round_ms}
+    one_round_ms = statistics.median(r["branches_ms"] / max(b["rounds"] for b in r["branches"])
+                                     for r in runs["sot_none_one_sequence"])
+    out["round_ms"] = {"plain_target_only": plain_round_ms, "sot_target_only_branch_phase": sot_round_ms,
+                       "sot_target_only_branch_phase_one_sequence": one_round_ms}
     lines += [
         "",
         f"Branch length spread (fixed plan, target only): {min(spread)}-{max(spread)} tokens (cap {MAX_NEW_TOKENS}). "
         f"Sequential branches produced the same tokens as the SoT branches: "
-        f"{all(r['same_tokens_as_sot'] for name in ('sequential_none', 'sequential_ngram') for r in runs[name])}.",
+        f"{all(r['same_tokens_as_sot'] for name in ('sequential_none', 'sequential_ngram') for r in runs[name])}. "
+        "The one-sequence layout produced the same tokens as the batching layout: "
+        f"{all(r['same_tokens_as_batching'] for name in ('sot_none_one_sequence', 'sot_ngram_one_sequence') for r in runs[name])}.",
         "",
         "The model's own plan (\"[PLAN]\\n\" forced, the rest written under the grammar):",
         "",
@@ -237,7 +262,7 @@ def render(out: dict) -> str:
         "",
         f"Reading: a target-only round cost {plain_round_ms:.0f} ms with one sequence (plain answer, wall per token) and "
         f"{sot_round_ms:.0f} ms in the SoT branch phase (its wall over its longest branch's rounds, 2-4 sequences per "
-        f"forward): batching is not free on 2 CPU cores, and the answer's length is set by its longest branch "
+        f"forward; {one_round_ms:.0f} ms in the one-sequence layout): batching is not free on 2 CPU cores, and the answer's length is set by its longest branch "
         f"({max(spread)} of {sum(spread)} tokens), so the ideal gain over the plain answer here is "
         f"{sum(spread) / max(spread):.2f}x. The target-only SoT run took {sot_none[0]['forwards']} target forwards "
         f"for its longest branch's {max(b['rounds'] for b in sot_none[0]['branches'])} rounds, the plan's prefill "

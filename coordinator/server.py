@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from coordinator.cascade import CascadeStages, load_stopper, parse_cascade_stages
-from coordinator.options import DRAFTERS, MODES, CoordinatorOptions
+from coordinator.options import DRAFTERS, MODES, SKELETON_LAYOUTS, CoordinatorOptions
 from coordinator.pools import ServicePool, parse_addresses
 from coordinator.servicer import CoordinatorServicer
 from servicekit.channels import DEFAULT_OPTIONS, open_channel
@@ -33,6 +33,8 @@ def _check(options: CoordinatorOptions) -> None:
     if options.skeleton_max_parallel < 1:
         raise ValueError(f"skeleton_max_parallel must be >= 1, got {options.skeleton_max_parallel}")
     SkeletonFormat(max_points=options.skeleton_max_points).validate()
+    if options.skeleton_layout not in SKELETON_LAYOUTS:
+        raise ValueError(f"unknown skeleton_layout {options.skeleton_layout!r}; choose one of {', '.join(SKELETON_LAYOUTS)}")
     if not parse_addresses(options.verify_addresses):
         raise ValueError("the coordinator needs at least one Verify service (--verify-addresses host:port)")
 

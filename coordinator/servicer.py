@@ -190,9 +190,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             return pb
 
         answer = SkeletonAnswer(SkeletonRequest(question, prompt_ids, params, SkeletonFormat(self.options.skeleton_max_points),
-                                                max_parallel, request.skeleton_prefix, list(request.documents), route_reason),
+                                                max_parallel, request.skeleton_prefix, list(request.documents), route_reason,
+                                                self._skeleton_layout(request)),
                                 self.tokenizer, links, final_stats)
         return answer.responses()
+
+    def _skeleton_layout(self, request: coordinator_pb2.GenerateRequest) -> int:
+        """The request's BranchLayout, or the coordinator's configured one when it names none."""
+        layout = request.skeleton_layout
+        if layout == common_pb2.BRANCH_LAYOUT_UNSPECIFIED:
+            return common_pb2.BranchLayout.Value("BRANCH_LAYOUT_" + self.options.skeleton_layout.upper())
+        if layout not in common_pb2.BranchLayout.values():
+            raise ValueError(f"unknown skeleton_layout {layout}")
+        return layout
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -22,8 +22,15 @@ One request (GENERATION_MODE_SKELETON, or chosen by `coordinator.mode_choice`), 
               session is closed (it only held KV, and counted as a session the batcher waits for).
     merge:    one -1 message: the merged answer, the stats of every round, `SkeletonStats`.
 
-Layout: one sequence per branch ("batching"). The in-one-sequence layout (branches side by side in
-one sequence with a block mask, KV rollback inside a branch's region) is not built.
+Layouts (`SkeletonRequest.layout`, common.proto BranchLayout), the same text either way:
+    batching:      each branch is a sequence of its own; sibling rounds are rows of one forward.
+    one_sequence:  the Fork asks the Verify service to lay the branches side by side after the
+                   skeleton's prefix in ONE sequence (specmesh/models/engine.py: layouts): each round
+                   of the siblings is one attention row over [prefix | region 1 | region 2 | ...]
+                   with a block mask, and a rejected draft rolls back inside its branch's region.
+A branch's dependencies reach it as text in its point prompt in both layouts (`point_request`), so
+a region sees the prefix and itself; each branch then equals target-only decoding of its own full
+prompt, whichever the layout.
 
 A branch that fails is reported in-band (its last message has error_message); its dependents still
 start (without its text) and the merge keeps its title. A fork that cannot happen (the skeleton's
@@ -159,10 +166,12 @@ class BranchVerifier(FailoverVerifier):
     rest of the prompt appended); without a skeleton session to fork, a plain open (a prefill).
     Each round waits at `gate` for the siblings' (joined as `member` at launch; `leave` at the end)."""
 
-    def __init__(self, links: Links, parent: VerifyHandle | None, num_shared: int, gate: RoundGate, member: int):
+    def __init__(self, links: Links, parent: VerifyHandle | None, num_shared: int, gate: RoundGate, member: int,
+                 layout: int = common_pb2.BRANCH_LAYOUT_BATCHING):
         super().__init__(links.verify, links.info, links.calls, links.failovers, sparse_q=links.sparse_q)
         self.parent = parent
         self.num_shared = num_shared
+        self.layout = layout
         self.prefilled = False
         self.opened = False  # the open (fork or prefill) is over, however it went
         self.gate, self.member = gate, member
@@ -188,7 +197,8 @@ class BranchVerifier(FailoverVerifier):
             return await super().open(prompt_ids, params)
         self._prompt, self._params = list(prompt_ids), params
         request = verify_pb2.ForkRequest(session_id=parent.session_id, num_children=1, child_sampling=[_token_level(params)],
-                                         num_prefix_tokens=self.num_shared, append_token_ids=self._prompt[self.num_shared:])
+                                         num_prefix_tokens=self.num_shared, append_token_ids=self._prompt[self.num_shared:],
+                                         layout=self.layout)
         remote = parent.remote
         try:  # a request cancelled during the Fork closes the child it makes
             response = await open_or_close_later(
@@ -237,6 +247,7 @@ class SkeletonRequest:
     prefix: str = ""  # forced start of the plan
     documents: list[str] = field(default_factory=list)
     route_reason: str = "requested"  # why SoT runs (`coordinator.mode_choice`), reported in SkeletonStats
+    layout: int = common_pb2.BRANCH_LAYOUT_BATCHING  # how the Verify service lays out the branches (BranchLayout)
 
 
 class SkeletonAnswer:
@@ -251,7 +262,7 @@ class SkeletonAnswer:
         self.final_stats = final_stats
         self.start_s = time.perf_counter()
         self.stats = SpecStats(seed=request.params.seed or 0)  # every round of the request
-        self.summary = coordinator_pb2.SkeletonStats(max_parallel=request.max_parallel)
+        self.summary = coordinator_pb2.SkeletonStats(max_parallel=request.max_parallel, layout=request.layout)
         self.branches: dict[int, BranchRecord] = {}
 
     def _ms(self) -> float:
@@ -348,7 +359,8 @@ class SkeletonAnswer:
                 messages = point_messages(request.question, skeleton_text, launch.point, launch.dependencies, passages,
                                           request.fmt)
                 ids, num_shared = branch_prompt(self.tokenizer, plan_verifier.session_ids, messages)
-                verifiers.append(BranchVerifier(self.links, plan_verifier.handle, num_shared, gate, launch.point.id))
+                verifiers.append(BranchVerifier(self.links, plan_verifier.handle, num_shared, gate, launch.point.id,
+                                                request.layout))
                 task = asyncio.get_running_loop().create_task(self._branch(launch, ids, verifiers[-1], queue))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)

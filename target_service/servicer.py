@@ -29,7 +29,7 @@ from specmesh.decoding.verifier import TargetSession, TargetVerifier, validate_p
 from specmesh.drafters.model import ModelDrafter
 from specmesh.models.encdec import bind_encoder_input, is_encoder_decoder, validate_encoder_input
 from specmesh.models.engine import ContextLengthError
-from specmesh.proto.v1 import verify_pb2, verify_pb2_grpc
+from specmesh.proto.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from target_service.batcher import VerifyBatcher, VerifyResult
 from target_service.convert import proposal_from_pb, skeleton_format_from_pb, verify_response
 from target_service.grammars import GrammarConstraint, SkeletonGrammars
@@ -315,6 +315,9 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         if request.child_sampling and len(request.child_sampling) != n:
             raise ValueError("child_sampling must be empty or have one entry per child")
         append = token_ids_from_pb(request.append_token_ids, self.vocab_size, "append_token_ids")
+        if request.layout not in common_pb2.BranchLayout.values():
+            raise ValueError(f"unknown layout {request.layout}")
+        one_sequence = request.layout == common_pb2.BRANCH_LAYOUT_ONE_SEQUENCE
         child_params = [self._sampling(p) for p in request.child_sampling]
         async with self.session_call(request.session_id) as parent:
             num_prefix = request.num_prefix_tokens or parent.target.num_tokens
@@ -327,7 +330,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             params = child_params or [parent.target.params] * n
             seeds = [p.seed if child_params else (parent.seed + 1 + i) % 2**63 for i, p in enumerate(params)]
             async with self.admission(n * (num_prefix + len(append)), num_sessions=n):
-                children = await self.engine_thread.run(self._fork, parent, append, params, seeds, num_prefix)
+                children = await self.engine_thread.run(self._fork, parent, append, params, seeds, num_prefix,
+                                                        one_sequence)
                 child_ids: list[str] = []
                 try:
                     for child in children:
@@ -339,13 +343,13 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         return verify_pb2.ForkResponse(child_session_ids=child_ids, next_token_ids=[c.target.pending_token_id for c in children])
 
     def _fork(self, parent: VerifySession, append: list[int], params: list[SamplingParams], seeds: list[int],
-              num_prefix: int) -> list[VerifySession]:
+              num_prefix: int, one_sequence: bool = False) -> list[VerifySession]:
         """Engine thread: children share the parent's KV blocks (its first `num_prefix` tokens); with
         `append`, one forward over all children feeds [their pending token, *append] and samples each
         child's next token. A child's rounds count from the fork: everything before its pending token
         is its prompt."""
         generators = [make_generator(seed, self.engine.device)[0] for seed in seeds]
-        targets = self.verifier.fork(parent.target, params, generators, append, num_prefix)
+        targets = self.verifier.fork(parent.target, params, generators, append, num_prefix, one_sequence)
         return [self._new_session(target, target.num_tokens - 1, seed, parent.encoder_input_ids)
                 for target, seed in zip(targets, seeds)]
 

@@ -72,6 +72,7 @@ class TargetSession:
     num_cached: int = 0  # leading token_ids held in the engine's KV
     num_forwards: int = 0  # target forwards this session took part in
     constraint: LogitsConstraint | None = None  # masks this session's rows (module docstring)
+    group: int | None = None  # forks laid out in one sequence share it (engine.py: layouts)
 
     @property
     def pending_token_id(self) -> int:
@@ -191,6 +192,7 @@ class TargetVerifier:
         generators: Sequence[torch.Generator],
         append_token_ids: Sequence[int] = (),
         num_prefix_tokens: int | None = None,
+        one_sequence: bool = False,
     ) -> list[TargetSession]:
         """Child sessions sharing the parent's KV (copy-on-write), one per params/generator.
 
@@ -200,6 +202,10 @@ class TargetVerifier:
         point's header. With `num_prefix_tokens` = n, children keep only the parent's first n tokens
         (`rewind`) before the append, which is then required: e.g. a branch prompt that shares the
         skeleton session's first n tokens. The parent is unchanged either way.
+
+        `one_sequence`: the children are regions of one sequence with the parent's prefix (engine.py:
+        layouts), so their forwards (and the parent's) share one attention row; otherwise each is a
+        sequence of its own ("batching"). Either layout gives each child the same tokens.
         """
         append = [int(t) for t in append_token_ids]
         num_prefix = parent.num_tokens if num_prefix_tokens is None else num_prefix_tokens
@@ -210,10 +216,13 @@ class TargetVerifier:
         if num_prefix + len(append) > self.engine.max_context:
             raise ContextLengthError(f"{len(append)} appended tokens do not fit in the context window")
         children: list[TargetSession] = []
+        group = None
+        if one_sequence:
+            group = parent.group = parent.seq_id if parent.group is None else parent.group
         try:
             for child_params, generator in zip(params, generators):
                 child = TargetSession(self.engine.fork(parent.seq_id), child_params, generator, list(parent.token_ids),
-                                      parent.num_cached)
+                                      parent.num_cached, group=group)
                 children.append(child)
                 if num_prefix < parent.num_tokens:
                     self.rewind(child, [*parent.token_ids[:num_prefix], *append])
@@ -279,12 +288,12 @@ class TargetVerifier:
         first = len(uncached) - 1  # index of the pending token in the feed
         if not proposal.is_tree:
             tokens = [*uncached, *proposal.token_ids]
-            return SeqInput(session.seq_id, tokens, list(range(first, len(tokens))))
+            return SeqInput(session.seq_id, tokens, list(range(first, len(tokens))), group=session.group)
         tree_tokens, tree_parents = tree_forward_input(uncached[-1], proposal.token_ids, proposal.tree_parents())
         chain = [NO_PARENT, *range(first - 1)] if first else []  # uncached tokens before the pending one
         parents = [*chain, first - 1 if first else NO_PARENT, *(p + first for p in tree_parents[1:])]
         tokens = [*uncached[:-1], *tree_tokens]
-        return SeqInput(session.seq_id, tokens, list(range(first, len(tokens))), parents)
+        return SeqInput(session.seq_id, tokens, list(range(first, len(tokens))), parents, session.group)
 
     def _advance(self, session: TargetSession, proposal: DraftProposal, outcome: VerifyOutcome) -> None:
         """Roll the KV back to the accepted path; the final token becomes the pending one."""

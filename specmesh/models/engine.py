@@ -14,6 +14,22 @@ Worked example (tree, 2 branches x depth 2 after a cached prompt of 5 tokens):
     positions = [5, 6, 5, 6]      b sees prefix+a+b; d sees prefix+c+d; c does not see a or b
 After a tree forward the caller keeps one path with `keep_tree_path(seq_id, [2, 3])` (c, d),
 which compacts the KV so the sequence reads prefix + c + d at positions 5, 6.
+
+Layouts of forked branches (Skeleton-of-Thought): by default every SeqInput is its own row of the
+forward ("batching": one padded attention problem per sequence, each reading the shared prefix's
+keys itself). SeqInputs that carry the same `group` are laid out IN ONE SEQUENCE instead: one
+attention row whose keys are the group's shared prefix once, then each member's own tokens side by
+side (its *region*), under a block mask: a member's token sees the prefix, its own region (its own
+chain or tree among the new tokens) and nothing of its siblings. A region is the member's own block
+table past the shared blocks, so rejected drafts roll back inside it (`truncate` of that member)
+without touching the prefix or the other regions. Positions stay each member's own, so a member's
+logits are those of its sequence alone. Backends without packed attention (HF, encoder-decoder)
+accept `group` and compute each member alone: the layout changes how the work is arranged, never
+the numbers a member gets.
+
+    keys:        p0 p1 p2 | a0 a1 | b0          (a and b forked from p0..p2; a has a0 cached, b has b0 new)
+    query a1:    1  1  1    1  1    0           position 4
+    query b0:    1  1  1    0  0    1           position 3
 """
 
 from __future__ import annotations
@@ -45,6 +61,7 @@ class SeqInput:
     token_ids: list[int]  # [num_new]
     logits_at: list[int]  # indices into token_ids whose next-token logits come back
     parents: list[int] | None = None  # [num_new] tree parents (NO_PARENT = off the prefix); None = chain
+    group: int | None = None  # inputs with one group share one attention row (module docstring: layouts)
 
 
 @dataclass(frozen=True)
@@ -61,6 +78,7 @@ class EngineStats:
     num_forwards: int = 0  # forward calls (one ragged batch each)
     num_sequences_forwarded: int = 0  # sum of batch sizes
     num_tokens_forwarded: int = 0
+    num_attention_rows: int = 0  # sum of attention rows (fewer than sequences when groups share a row)
 
 
 class Engine(Protocol):

@@ -111,6 +111,7 @@ class HFEngine:
         self.stats.num_forwards += 1
         self.stats.num_sequences_forwarded += len(batch)
         self.stats.num_tokens_forwarded += sum(len(item.token_ids) for item in batch)
+        self.stats.num_attention_rows += len(batch)  # one sequence per model call: no shared rows
         return results
 
     def _run(self, seq_id: int, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, Any]:

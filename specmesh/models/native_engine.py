@@ -50,6 +50,43 @@ def tree_depths(parents: Sequence[int]) -> list[int]:
     return depths
 
 
+def attention_rows(batch: Sequence[SeqInput]) -> list[list[int]]:
+    """Indices of the batch per attention row: inputs of one group share a row (in batch order), every
+    other input is a row of its own.
+
+    >>> attention_rows([SeqInput(0, [1], [0]), SeqInput(1, [1], [0], group=7), SeqInput(2, [1], [0]),
+    ...                 SeqInput(3, [1], [0], group=7)])
+    [[0], [1, 3], [2]]
+    """
+    rows: list[list[int]] = []
+    by_group: dict[int, list[int]] = {}
+    for i, item in enumerate(batch):
+        if item.group is None:
+            rows.append([i])
+        elif item.group in by_group:
+            by_group[item.group].append(i)
+        else:
+            by_group[item.group] = [i]
+            rows.append(by_group[item.group])
+    return rows
+
+
+def first_seen_union(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the distinct values of `slots` in order of first appearance, the index into them of each element).
+
+    >>> keys, index = first_seen_union(torch.tensor([4, 5, 6, 4, 5, 9, 4, 8]))
+    >>> keys.tolist(), index.tolist()
+    ([4, 5, 6, 9, 8], [0, 1, 2, 0, 1, 3, 0, 4])
+    """
+    distinct, inverse = torch.unique(slots, return_inverse=True)
+    first = torch.full((distinct.shape[0],), slots.shape[0], dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, torch.arange(slots.shape[0]), reduce="amin")
+    order = first.argsort()
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.shape[0])
+    return distinct[order], rank[inverse]
+
+
 class NativeEngine:
     backend = "native"  # Engine.backend
 
@@ -136,6 +173,7 @@ class NativeEngine:
         self.stats.num_forwards += 1
         self.stats.num_sequences_forwarded += len(batch)
         self.stats.num_tokens_forwarded += token_ids.shape[0]
+        self.stats.num_attention_rows += attention.batch_size
         return list(logits.split([len(item.logits_at) for item in batch]))
 
     def _validate(self, batch: Sequence[SeqInput]) -> None:
@@ -163,6 +201,9 @@ class NativeEngine:
                     raise ValueError(f"sequence {item.seq_id}: parents must have one entry per token, each < its index")
 
     def _attention_batch(self, batch: Sequence[SeqInput], starts: list[int], new_slots: list[int]):
+        rows = attention_rows(batch)
+        if len(rows) < len(batch):
+            return self._grouped_attention_batch(batch, rows, starts, new_slots)
         device = self.device
         num_batch = len(batch)
         counts = [len(item.token_ids) for item in batch]
@@ -235,6 +276,86 @@ class NativeEngine:
             batch_size=num_batch,
             max_new=max_new,
             key_range=key_range,
+        )
+        token_ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
+        logits_rows_t = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        return attention, token_ids_t, logits_rows_t
+
+    def _grouped_attention_batch(self, batch: Sequence[SeqInput], rows: list[list[int]], starts: list[int],
+                                 new_slots: list[int]):
+        """The in-one-sequence layout (engine.py: layouts): one attention row per group, its keys the union
+        of the members' slots in first-seen order (the shared prefix once, then each member's region), each
+        query masked to its own member's slots."""
+        device = self.device
+        counts = [len(item.token_ids) for item in batch]
+        flat_offsets = [0]
+        for n in counts:
+            flat_offsets.append(flat_offsets[-1] + n)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for i, item in enumerate(batch):
+            depths = range(counts[i]) if item.parents is None else tree_depths(item.parents)
+            positions += [starts[i] + d for d in depths]
+            token_ids += item.token_ids
+            logits_rows += [flat_offsets[i] + j for j in item.logits_at]
+
+        row_keys: list[torch.Tensor] = []  # per row: [K_r] slots
+        member_keys: dict[int, torch.Tensor] = {}  # item -> index into its row's keys of each of its tokens
+        for row in rows:
+            slots = [self.cache.slot_tensor(batch[i].seq_id) for i in row]  # cached + new, in sequence order
+            keys, key_index = first_seen_union(torch.cat(slots).cpu())
+            row_keys.append(keys)
+            for i, index in zip(row, key_index.split([s.shape[0] for s in slots])):
+                member_keys[i] = index
+        max_new = max(sum(counts[i] for i in row) for row in rows)
+        max_keys = max(keys.shape[0] for keys in row_keys)
+        num_rows = len(rows)
+        key_slots = torch.zeros(num_rows, max_keys, dtype=torch.long)
+        allowed = torch.zeros(num_rows, max_new, max_keys, dtype=torch.bool)
+        key_positions = torch.zeros(num_rows, max_keys, dtype=torch.long)
+        query_positions = torch.zeros(num_rows, max_new, dtype=torch.long)
+        q_index: list[int] = []
+        o_index = [0] * len(token_ids)
+        for r, row in enumerate(rows):
+            keys = row_keys[r]
+            key_slots[r, : keys.shape[0]] = keys
+            key_slots[r, keys.shape[0]:] = keys[0]
+            t = 0
+            for i in row:
+                item, start, n = batch[i], starts[i], counts[i]
+                index = member_keys[i]
+                own = (torch.ones(n, n, dtype=torch.bool).tril() if item.parents is None
+                       else torch.tensor(tree_ancestry(item.parents), dtype=torch.bool))
+                queries = allowed[r, t : t + n]  # a view: [n, K_max]
+                queries[:, index[:start]] = True
+                queries[:, index[start:]] = own
+                member_positions = torch.tensor(positions[flat_offsets[i] : flat_offsets[i + 1]])
+                key_positions[r, index[:start]] = torch.arange(start)
+                key_positions[r, index[start:]] = member_positions
+                query_positions[r, t : t + n] = member_positions
+                q_index += range(flat_offsets[i], flat_offsets[i + 1])
+                for j in range(n):
+                    o_index[flat_offsets[i] + j] = r * max_new + t + j
+                t += n
+            allowed[r, t:, 0] = True  # padded queries must see something
+            q_index += [flat_offsets[row[0]]] * (max_new - t)
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for window in self._windows:
+            mask = allowed
+            if window is not None:
+                mask = allowed & ((query_positions[:, :, None] - key_positions[:, None, :]) < window)
+                mask[:, :, 0] |= ~mask.any(dim=-1)
+            masks[window] = mask.unsqueeze(1).to(device)
+        attention = AttentionBatch(
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            new_slots=torch.tensor(new_slots, dtype=torch.long, device=device),
+            key_slots=key_slots.to(device),
+            masks=masks,
+            query_index=torch.tensor(q_index, dtype=torch.long, device=device),
+            output_index=torch.tensor(o_index, dtype=torch.long, device=device),
+            batch_size=num_rows,
+            max_new=max_new,
         )
         token_ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
         logits_rows_t = torch.tensor(logits_rows, dtype=torch.long, device=device)

@@ -78,10 +78,12 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-def _request(prefix: str = FORCED_PLAN, **sampling) -> coordinator_pb2.GenerateRequest:
+def _request(prefix: str = FORCED_PLAN, layout: int = common_pb2.BRANCH_LAYOUT_UNSPECIFIED,
+             **sampling) -> coordinator_pb2.GenerateRequest:
     sampling = {"temperature": 0.0, "max_new_tokens": 20, **sampling}
     return coordinator_pb2.GenerateRequest(prompt=QUESTION, mode=coordinator_pb2.GENERATION_MODE_SKELETON, drafter="ngram",
-                                           skeleton_prefix=prefix, max_parallel=4, sampling=common_pb2.SamplingParams(**sampling))
+                                           skeleton_prefix=prefix, max_parallel=4, sampling=common_pb2.SamplingParams(**sampling),
+                                           skeleton_layout=layout)
 
 
 async def _stream(address: str, request) -> list[coordinator_pb2.GenerateResponse]:
@@ -125,10 +127,20 @@ def _branch_text(messages) -> str:
     return "".join(r.text for r in messages[1:])  # messages[0] is the header line
 
 
-def test_a_skeleton_answer_streams_forked_branches_each_exact(cluster, tokenizer, engine):
+LAYOUTS = {"batching": common_pb2.BRANCH_LAYOUT_BATCHING, "one_sequence": common_pb2.BRANCH_LAYOUT_ONE_SEQUENCE}
+BRANCH_TOKENS: dict[str, dict[int, list[int]]] = {}  # layout -> point id -> the branch's tokens (the layouts compared)
+
+
+def _engine_counters(engine) -> tuple[int, ...]:
+    s = engine.stats
+    return s.num_forwards, s.num_sequences_forwarded, s.num_tokens_forwarded, s.num_attention_rows
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_skeleton_answer_streams_forked_branches_each_exact(cluster, tokenizer, engine, layout):
     verify_engine = cluster.verify[0].servicer.engine
-    before = (verify_engine.stats.num_forwards, verify_engine.stats.num_sequences_forwarded, verify_engine.stats.num_tokens_forwarded)
-    responses = _run(_stream(cluster.address, _request()))
+    before = _engine_counters(verify_engine)
+    responses = _run(_stream(cluster.address, _request(layout=LAYOUTS[layout])))
     branches = _by_branch(responses)
 
     # the plan: the forced prefix, then what the model wrote = constrained target-only greedy decoding
@@ -159,6 +171,7 @@ def test_a_skeleton_answer_streams_forked_branches_each_exact(cluster, tokenizer
         prompt = chat_messages_ids(tokenizer, point_messages(QUESTION, skeleton_text, point, dependencies, (), FORMAT))
         num_branch_prompt_tokens += len(prompt)
         assert tokens == generate(TargetVerifier(engine), None, prompt, params).token_ids, f"point {point.id}"
+        BRANCH_TOKENS.setdefault(layout, {})[point.id] = tokens
 
     # the answer: merged in plan order, with the request's stats
     answer = branches[-1]
@@ -168,16 +181,22 @@ def test_a_skeleton_answer_streams_forked_branches_each_exact(cluster, tokenizer
     assert [b.num_tokens for b in summary.branches] == [len([t for r in branches[p.id] for t in r.token_ids])
                                                         for p in skeleton.points]
     assert summary.num_prefilled_branches == 0 and summary.route_reason == "requested" and not summary.direct_reason
+    assert summary.layout == LAYOUTS[layout]
     assert summary.num_skeleton_tokens == len(plan_ids) and 0 < summary.skeleton_ms < summary.total_ms
     assert answer[0].stats.num_generated_tokens == len(plan_ids) + sum(b.num_tokens for b in summary.branches)
 
     # forked, not prefilled again: the engine fed fewer tokens in all than the branch prompts hold;
-    # and the branches' rounds shared forwards
-    forwards, sequences, tokens_fed = (a - b for a, b in zip(
-        (verify_engine.stats.num_forwards, verify_engine.stats.num_sequences_forwarded, verify_engine.stats.num_tokens_forwarded),
-        before))
+    # and the branches' rounds shared forwards: as rows of a batch, or as regions of one attention row
+    forwards, sequences, tokens_fed, rows = (a - b for a, b in zip(_engine_counters(verify_engine), before))
     assert tokens_fed < num_branch_prompt_tokens
     assert sequences / forwards > 1.2, f"{sequences} sequences in {forwards} forwards: the branches did not batch"
+    if layout == "one_sequence":
+        assert rows / forwards < 1.05 < sequences / forwards, f"{sequences} sequences in {rows} rows: not one sequence"
+    else:
+        assert rows == sequences
+    # the two layouts give identical branches
+    if len(BRANCH_TOKENS) == len(LAYOUTS):
+        assert BRANCH_TOKENS["one_sequence"] == BRANCH_TOKENS["batching"]
     _assert_sessions_closed(cluster)
 
 
@@ -189,11 +208,12 @@ def _assert_sessions_closed(cluster) -> None:
     assert cluster.verify[0].servicer.num_sessions == 0
 
 
-def test_seeded_sampled_branches_equal_the_in_process_runs(cluster, tokenizer, engine):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_seeded_sampled_branches_equal_the_in_process_runs(cluster, tokenizer, engine, layout):
     """The whole plan forced (only EOS is left to write): each branch samples with seed + point id,
     which equals plain seeded sampling of its prompt (n-gram drafts are deterministic)."""
     plan = FORCED_PLAN + "[END]"
-    responses = _run(_stream(cluster.address, _request(plan, temperature=1.0, seed=11, max_new_tokens=12)))
+    responses = _run(_stream(cluster.address, _request(plan, LAYOUTS[layout], temperature=1.0, seed=11, max_new_tokens=12)))
     branches = _by_branch(responses)
     skeleton_text, plan_ids = _plan_texts(branches, tokenizer)
     assert plan_ids == list(engine.eos_token_ids[:1]) and skeleton_text == plan

@@ -42,6 +42,33 @@ D_TYPE_INT64: DType.ValueType  # 4
 D_TYPE_INT32: DType.ValueType  # 5
 Global___DType: _TypeAlias = DType  # noqa: Y015
 
+class _BranchLayout:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BranchLayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BranchLayout.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BRANCH_LAYOUT_UNSPECIFIED: _BranchLayout.ValueType  # 0
+    """the default: batching"""
+    BRANCH_LAYOUT_BATCHING: _BranchLayout.ValueType  # 1
+    """one sequence per child, batched as rows of a forward"""
+    BRANCH_LAYOUT_ONE_SEQUENCE: _BranchLayout.ValueType  # 2
+    """the children are regions side by side after the parent's"""
+
+class BranchLayout(_BranchLayout, metaclass=_BranchLayoutEnumTypeWrapper):
+    """Why generation ended.
+    How a Verify service lays out sessions forked from one parent (Skeleton-of-Thought's branches).
+    Both give every child exactly the tokens it would get alone; they differ in how forwards are arranged.
+    """
+
+BRANCH_LAYOUT_UNSPECIFIED: BranchLayout.ValueType  # 0
+"""the default: batching"""
+BRANCH_LAYOUT_BATCHING: BranchLayout.ValueType  # 1
+"""one sequence per child, batched as rows of a forward"""
+BRANCH_LAYOUT_ONE_SEQUENCE: BranchLayout.ValueType  # 2
+"""the children are regions side by side after the parent's"""
+Global___BranchLayout: _TypeAlias = BranchLayout  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -62,8 +89,7 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     FINISH_REASON_ERROR: _FinishReason.ValueType  # 6
     """an error ended this stream (see error_message)"""
 
-class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
-    """Why generation ended."""
+class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
 
 FINISH_REASON_UNSPECIFIED: FinishReason.ValueType  # 0
 FINISH_REASON_EOS: FinishReason.ValueType  # 1

@@ -96,6 +96,7 @@ class GenerateRequest(_message.Message):
     SKELETON_PREFIX_FIELD_NUMBER: _builtins.int
     CASCADE_FIELD_NUMBER: _builtins.int
     CASCADE_LAMBDA_FIELD_NUMBER: _builtins.int
+    SKELETON_LAYOUT_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """raw text, tokenized as-is"""
     mode: Global___GenerationMode.ValueType
@@ -128,6 +129,8 @@ class GenerateRequest(_message.Message):
     inf = lossless. A finite value lets a chunk stop at a cheaper stage when its predicted
     agreement makes that worth it; the stats then say lossy and where each chunk stopped.
     """
+    skeleton_layout: _common_pb2.BranchLayout.ValueType
+    """skeleton mode: how the Verify service lays out the branches"""
     @_builtins.property
     def chat(self) -> Global___ChatMessages:
         """rendered with the model's chat template"""
@@ -153,10 +156,11 @@ class GenerateRequest(_message.Message):
         skeleton_prefix: _builtins.str = ...,
         cascade: _builtins.str = ...,
         cascade_lambda: _builtins.float | None = ...,
+        skeleton_layout: _common_pb2.BranchLayout.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda", "cascade_lambda", b"cascade_lambda", "chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda", "cascade", b"cascade", "cascade_lambda", b"cascade_lambda", "chat", b"chat", "documents", b"documents", "drafter", b"drafter", "input", b"input", "max_parallel", b"max_parallel", "mode", b"mode", "num_draft_tokens", b"num_draft_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "skeleton_prefix", b"skeleton_prefix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda", "cascade", b"cascade", "cascade_lambda", b"cascade_lambda", "chat", b"chat", "documents", b"documents", "drafter", b"drafter", "input", b"input", "max_parallel", b"max_parallel", "mode", b"mode", "num_draft_tokens", b"num_draft_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "skeleton_layout", b"skeleton_layout", "skeleton_prefix", b"skeleton_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cascade_lambda: _TypeAlias = _typing.Literal["cascade_lambda"]  # noqa: Y015
     _WhichOneofArgType__cascade_lambda: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda"]  # noqa: Y015
@@ -343,6 +347,7 @@ class SkeletonStats(_message.Message):
     MAX_PARALLEL_FIELD_NUMBER: _builtins.int
     PARALLEL_SPEEDUP_ESTIMATE_FIELD_NUMBER: _builtins.int
     NUM_PREFILLED_BRANCHES_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     route_reason: _builtins.str
     """why SoT was chosen (e.g. "requested")"""
     direct_reason: _builtins.str
@@ -364,6 +369,10 @@ class SkeletonStats(_message.Message):
     (bench/skeleton.py measures the real one)
     branches opened with a full prefill instead of a fork
     """
+    layout: _common_pb2.BranchLayout.ValueType
+    """(their prompt did not extend the skeleton session's tokens)
+    the branch layout that ran
+    """
     @_builtins.property
     def branches(self) -> _containers.RepeatedCompositeFieldContainer[Global___BranchStats]:
         """in plan order"""
@@ -381,10 +390,11 @@ class SkeletonStats(_message.Message):
         max_parallel: _builtins.int = ...,
         parallel_speedup_estimate: _builtins.float = ...,
         num_prefilled_branches: _builtins.int = ...,
+        layout: _common_pb2.BranchLayout.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["branches", b"branches", "branches_ms", b"branches_ms", "direct_reason", b"direct_reason", "max_parallel", b"max_parallel", "num_prefilled_branches", b"num_prefilled_branches", "num_skeleton_tokens", b"num_skeleton_tokens", "parallel_speedup_estimate", b"parallel_speedup_estimate", "route_reason", b"route_reason", "skeleton_ms", b"skeleton_ms", "total_ms", b"total_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["branches", b"branches", "branches_ms", b"branches_ms", "direct_reason", b"direct_reason", "layout", b"layout", "max_parallel", b"max_parallel", "num_prefilled_branches", b"num_prefilled_branches", "num_skeleton_tokens", b"num_skeleton_tokens", "parallel_speedup_estimate", b"parallel_speedup_estimate", "route_reason", b"route_reason", "skeleton_ms", b"skeleton_ms", "total_ms", b"total_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

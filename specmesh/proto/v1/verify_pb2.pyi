@@ -401,12 +401,15 @@ class ForkRequest(_message.Message):
     CHILD_SAMPLING_FIELD_NUMBER: _builtins.int
     APPEND_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     NUM_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """parent"""
     num_children: _builtins.int
     """how many children to create"""
     num_prefix_tokens: _builtins.int
     """the parent's leading tokens the children keep; 0 = all"""
+    layout: _common_pb2.BranchLayout.ValueType
+    """ONE_SEQUENCE: the children (and the parent) join one sequence"""
     @_builtins.property
     def child_sampling(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.SamplingParams]:
         """optional per child; defaults to the parent's"""
@@ -423,10 +426,11 @@ class ForkRequest(_message.Message):
         child_sampling: _abc.Iterable[_common_pb2.SamplingParams] | None = ...,
         append_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_prefix_tokens: _builtins.int = ...,
+        layout: _common_pb2.BranchLayout.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_token_ids", b"append_token_ids", "child_sampling", b"child_sampling", "num_children", b"num_children", "num_prefix_tokens", b"num_prefix_tokens", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_token_ids", b"append_token_ids", "child_sampling", b"child_sampling", "layout", b"layout", "num_children", b"num_children", "num_prefix_tokens", b"num_prefix_tokens", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
