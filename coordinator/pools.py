@@ -29,6 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.discovery import DiscoverySource, source_for
+from servicekit.engine_thread import run_aside
 from specmesh.routing.discovery import DiscoveryPlan, plan_refresh
 from specmesh.routing.replica import Replica
 from specmesh.routing.replica_set import ReplicaSet
@@ -90,7 +91,7 @@ class ServicePool:
     async def refresh(self) -> DiscoveryPlan:
         """Read the source once and apply its answer; a failed read changes nothing."""
         try:
-            answer = await asyncio.to_thread(self.source.resolve)
+            answer = await run_aside(self.source.resolve)
         except Exception as exc:  # noqa: BLE001 - any lookup failure (DNS, Ray): keep the replicas as they are
             log.warning("%s discovery failed (%s); keeping %d replica(s)", self.kind, exc, len(self.replicas.replicas))
             return DiscoveryPlan()

@@ -53,6 +53,7 @@ import grpc
 from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier, VerifyHandle, open_or_close_later, replica_failed
 from coordinator.pools import ServicePool
 from servicekit.convert import FINISH_TO_PB, sampling_to_pb, stats_to_pb
+from servicekit.engine_thread import run_aside
 from servicekit.remote import RemoteVerifier
 from specmesh.decoding.adaptive import KPolicy
 from specmesh.decoding.async_driver import TargetInfo, speculative_stream_async
@@ -302,7 +303,7 @@ class SkeletonAnswer:
         """Decode the plan after `prompt` (the skeleton conversation and the forced prefix), streamed as
         branch 0; fills `plan_ids` with the tokens the model wrote."""
         request = self.request
-        max_tokens = await asyncio.to_thread(max_skeleton_tokens, request.fmt)
+        max_tokens = await run_aside(max_skeleton_tokens, request.fmt)
         params = dataclasses.replace(request.params, max_new_tokens=max_tokens, ignore_eos=False, stop=[],
                                      seed=branch_seed(request.params.seed or 0, SKELETON_BRANCH))
         if prefix_ids:
@@ -346,7 +347,7 @@ class SkeletonAnswer:
                         plan_verifier: PlanVerifier) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         """Run the plan's branches as tasks (scheduler admission), relaying their messages; then the merge."""
         request = self.request
-        index = await asyncio.to_thread(PassageIndex, request.documents) if request.documents else None
+        index = await run_aside(PassageIndex, request.documents) if request.documents else None
         scheduler = BranchScheduler(skeleton.points, request.max_parallel)
         queue: asyncio.Queue[coordinator_pb2.GenerateResponse | BranchEnd] = asyncio.Queue()
         tasks: set[asyncio.Task] = set()

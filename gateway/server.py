@@ -20,6 +20,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.options import GatewayOptions
+from servicekit.engine_thread import run_aside
 
 START_TIMEOUT_S = 30.0
 MIN_GRACE_S = 0.05  # uvicorn reports a zero grace as exceeded even with nothing open
@@ -82,7 +83,7 @@ async def create_gateway(options: GatewayOptions) -> tuple[GatewayHandle, int]:
         raise ValueError("HTTPS needs both tls_cert and tls_key")
     if options.max_n < 1:
         raise ValueError(f"max_n must be >= 1, got {options.max_n}")
-    tokenizer = await asyncio.to_thread(load_tokenizer, options.model)
+    tokenizer = await run_aside(load_tokenizer, options.model)
     app = create_app(options, tokenizer)
     sock = bind(options.host, options.port)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", ws="none",

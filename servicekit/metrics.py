@@ -4,7 +4,9 @@ Names (prefix `specmesh_`): requests_total{method,code}, request_seconds{method}
 (sessions per engine forward), batch_tokens, queue_depth, sessions, forwards_total, drafts_total,
 draft_tokens_total, accepted_tokens_total, accepted_per_position_total{position}, and the derived
 mean accepted length = 1 + accepted_tokens_total / drafts_total; expired_sessions_total, and the KV
-pool: kv_blocks_total, kv_blocks_free, kv_block_size.
+pool: kv_blocks_total, kv_blocks_free, kv_block_size; the engine's own counters (every forward,
+prefills and forks included): engine_forwards, engine_sequences_forwarded, engine_attention_rows
+(fewer rows than sequences when forks share one sequence: Skeleton-of-Thought's one-sequence layout).
 """
 
 from __future__ import annotations
@@ -40,12 +42,22 @@ class ServiceMetrics:
         self.kv_blocks_total = Gauge(p + "kv_blocks_total", "KV pool size in blocks", **labels)
         self.kv_blocks_free = Gauge(p + "kv_blocks_free", "unused KV blocks", **labels)
         self.kv_block_size = Gauge(p + "kv_block_size", "tokens per KV block", **labels)
+        self.engine_counters = {
+            name: Gauge(p + "engine_" + name, help_text, **labels) for name, help_text in (
+                ("forwards", "engine forwards so far (prefills and forks included)"),
+                ("sequences_forwarded", "sequences summed over engine forwards"),
+                ("attention_rows", "attention rows summed over engine forwards (forks in one sequence share one)"))}
 
     def watch_kv(self, kv_usage: Callable[[], Any]) -> None:
         """Report an engine's KV pool (`Engine.kv_usage`) on every scrape."""
         self.kv_blocks_total.set_function(lambda: kv_usage().total_blocks)
         self.kv_blocks_free.set_function(lambda: kv_usage().free_blocks)
         self.kv_block_size.set_function(lambda: kv_usage().block_size)
+
+    def watch_engine(self, stats: Callable[[], Any]) -> None:
+        """Report an engine's counters (`Engine.stats`) on every scrape."""
+        for name, gauge in self.engine_counters.items():
+            gauge.set_function(lambda name=name: getattr(stats(), "num_" + name))
 
     def record_verification(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:

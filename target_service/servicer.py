@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 
 from servicekit.convert import FINISH_TO_PB, check_draft_has_q, kv_usage_pb, model_info_pb, sampling_from_pb, stats_to_pb, token_ids_from_pb
-from servicekit.engine_thread import EngineThread
+from servicekit.engine_thread import EngineThread, run_aside
 from servicekit.errors import FailedPrecondition, Unimplemented, message_for, rpc_method, status_for
 from servicekit.metrics import ServiceMetrics
 from servicekit.session_service import STATE_PRESERVING_ERRORS, SessionService
@@ -48,6 +48,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.model_folder = model_folder
         self.verifier = TargetVerifier(engine)
         metrics.watch_kv(engine.kv_usage)
+        metrics.watch_engine(lambda: engine.stats)
         self.fused_drafter = fused_drafter
         self.batcher = VerifyBatcher(self.engine_thread, self.verifier, options.batch_window_ms, options.max_batch_tokens, metrics,
                                      expected_callers=lambda: self.num_sessions)
@@ -220,7 +221,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                                       self.options.skeleton_max_direct_bytes)
         if pb.num_forced_tokens > len(prompt):
             raise ValueError(f"num_forced_tokens {pb.num_forced_tokens} exceeds the prompt's {len(prompt)} tokens")
-        grammar = await asyncio.to_thread(self.grammars.get, fmt)
+        grammar = await run_aside(self.grammars.get, fmt)
         forced = prompt[len(prompt) - pb.num_forced_tokens:]
         state = grammar.walk(grammar.initial_state(), forced)[-1]
         if grammar.is_dead(state):
