@@ -17,10 +17,11 @@ Scenarios, each through the coordinator's Generate stream (client-side wall time
 
     .venv/bin/python bench/skeleton.py        # ~3 minutes on 2 CPU cores; writes bench/results/skeleton.{json,md}
 
-Services run in this process on a background event loop (the engine on its own thread); medians of
-REPEATS, scenarios interleaved. One machine, one run: the ratios are what this run measured. Each SoT
-run also counts the Verify engine's forwards and the sequences in them (its branches' rounds batched
-together, or split into groups), and the load average is recorded (other jobs slow every scenario).
+The Verify service and the Coordinator run as two processes, started as `make run-cluster` starts
+them (client.cluster.Cluster); medians of REPEATS, scenarios interleaved. One machine, one run: the
+ratios are what this run measured. Each SoT run also counts, from the Verify service's /metrics, its
+engine's forwards, the sequences in them (its branches' rounds batched together, or split into
+groups) and their attention rows; the load average is recorded (other jobs slow every scenario).
 """
 
 from __future__ import annotations
@@ -31,26 +32,24 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
-import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from client.cluster import Cluster  # noqa: E402
 from client.wire_loop import channel  # noqa: E402
-from coordinator.options import CoordinatorOptions  # noqa: E402
-from coordinator.server import create_server as create_coordinator  # noqa: E402
-from servicekit.background import BackgroundServices  # noqa: E402
 from specmesh.models.resolve import resolve_model_spec  # noqa: E402
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 from specmesh.skeleton.automaton import SkeletonFormat  # noqa: E402
 from specmesh.skeleton.parse import parse_skeleton  # noqa: E402
 from specmesh.skeleton.prompts import point_messages  # noqa: E402
 from specmesh.skeleton.types import Skeleton  # noqa: E402
-from target_service.options import VerifyOptions  # noqa: E402
-from target_service.server import create_server as create_verify  # noqa: E402
 
 THREADS = int(os.environ.get("SPECMESH_BENCH_THREADS", "2"))
 REPEATS = int(os.environ.get("SPECMESH_BENCH_REPEATS", "2"))
@@ -98,16 +97,19 @@ def plain_request(messages: list[dict[str, str]], drafter: str, max_new_tokens: 
         sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos))
 
 
-def engine_counts(engine) -> tuple[int, int, int]:
-    """(forwards, sequences forwarded, attention rows) of the Verify service's engine so far."""
-    return engine.stats.num_forwards, engine.stats.num_sequences_forwarded, engine.stats.num_attention_rows
+def engine_counts(metrics_url: str) -> tuple[int, ...]:
+    """(forwards, sequences forwarded, attention rows) of the Verify service's engine so far (its /metrics)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith("specmesh_engine_"))
+    return tuple(int(float(values["specmesh_engine_" + name])) for name in ("forwards", "sequences_forwarded", "attention_rows"))
 
 
-async def counted(address: str, request: coordinator_pb2.GenerateRequest, engine) -> dict:
+async def counted(address: str, request: coordinator_pb2.GenerateRequest, metrics_url: str) -> dict:
     """`run`, with the engine's forwards, sequences and rows during it (the only request running)."""
-    before = engine_counts(engine)
+    before = engine_counts(metrics_url)
     result = await run(address, request)
-    result["forwards"], result["sequences"], result["rows"] = (a - b for a, b in zip(engine_counts(engine), before))
+    result["forwards"], result["sequences"], result["rows"] = (a - b for a, b in zip(engine_counts(metrics_url), before))
     return result
 
 
@@ -153,7 +155,7 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-async def scenarios(address: str, engine) -> dict:
+async def scenarios(address: str, metrics_url: str) -> dict:
     skeleton = parse_skeleton(PLAN)
     assert isinstance(skeleton, Skeleton)
     runs: dict[str, list[dict]] = {}
@@ -161,16 +163,17 @@ async def scenarios(address: str, engine) -> dict:
     await run(address, sot_request(PLAN, "ngram"))  # warm-up: the grammar compiles, the first forwards settle
     for _ in range(REPEATS):
         for drafter in ("none", "ngram"):
-            one = sot_summary(await counted(address, sot_request(PLAN, drafter, "one_sequence"), engine))
+            one = sot_summary(await counted(address, sot_request(PLAN, drafter, "one_sequence"), metrics_url))
             runs.setdefault(f"sot_{drafter}_one_sequence", []).append(one)
-            sot = await counted(address, sot_request(PLAN, drafter), engine)
+            sot = await counted(address, sot_request(PLAN, drafter), metrics_url)
             runs.setdefault(f"sot_{drafter}", []).append(sot_summary(sot))
-            one["same_tokens_as_batching"] = one["tokens"] == runs[f"sot_{drafter}"][-1]["tokens"]
+            one["same_tokens_as_batching"] = one.pop("tokens") == runs[f"sot_{drafter}"][-1].pop("tokens")
             runs.setdefault(f"sequential_{drafter}", []).append(await sequential_branches(address, drafter, skeleton, sot))
             num_tokens = sum(sot_summary(sot)["branch_tokens"])
             runs.setdefault(f"plain_{drafter}", []).append(await plain_answer(address, drafter, num_tokens))
         load.append(os.getloadavg()[0])
-    own = sot_summary(await counted(address, sot_request("[PLAN]\n", "ngram"), engine))
+    own = sot_summary(await counted(address, sot_request("[PLAN]\n", "ngram"), metrics_url))
+    own.pop("tokens")
     return {"runs": runs, "own_plan": own, "load_average_1min": load}
 
 
@@ -182,7 +185,7 @@ def render(out: dict) -> str:
         "# Skeleton-of-Thought benchmark",
         "",
         f"`.venv/bin/python bench/skeleton.py`: model default (SmolLM2-135M-Instruct, float32), CPU ({out['machine']}, "
-        f"{out['cpus']} cores), {out['threads']} torch threads, a Verify service and a Coordinator in one process; greedy; "
+        f"{out['cpus']} cores), {out['threads']} torch threads, a Verify service and a Coordinator as two processes (as run-cluster starts them); greedy; "
         f"question \"{QUESTION}\"; a fixed plan of 4 independent points (forced whole), at most {MAX_NEW_TOKENS} tokens "
         f"per branch, max_parallel 4; medians of {REPEATS} runs, scenarios interleaved. Load average (1 min) during "
         f"the run: {min(out['load_average_1min']):.1f}-{max(out['load_average_1min']):.1f} on {out['cpus']} cores "
@@ -279,16 +282,20 @@ def render(out: dict) -> str:
 
 
 def main() -> int:
-    torch.set_num_threads(THREADS)
     folder = str(resolve_model_spec("default"))
     out: dict = {"model": "default (SmolLM2-135M-Instruct)", "machine": platform.processor() or platform.machine(),
                  "cpus": os.cpu_count(), "threads": THREADS, "repeats": REPEATS, "max_new_tokens_per_branch": MAX_NEW_TOKENS,
                  "question": QUESTION, "plan": PLAN}
-    with BackgroundServices() as services:
-        verify = services.start(create_verify(VerifyOptions(model=folder, port=0, dtype="float32")))
-        coordinator = services.start(create_coordinator(CoordinatorOptions(
-            model=folder, port=0, verify_addresses=f"127.0.0.1:{verify.port}", default_drafter="ngram")))
-        out.update(asyncio.run(scenarios(f"127.0.0.1:{coordinator.port}", verify.servicer.engine)))
+    config = {"defaults": {"device": "cpu", "host": "127.0.0.1"}, "services": {
+        "verify": {"kind": "verify", "model": folder, "port": 0, "dtype": "float32", "torch_threads": THREADS, "metrics_port": 0},
+        "coordinator": {"kind": "coordinator", "port": 0, "default_drafter": "ngram"}}}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cluster.yaml"
+        path.write_text(yaml.safe_dump(config))
+        with Cluster.from_yaml(path, log_dir=tmp) as cluster:
+            verify = next(spec for spec in cluster.specs if spec.kind == "verify")
+            metrics_url = f"http://127.0.0.1:{verify.options['metrics_port']}/metrics"
+            out.update(asyncio.run(scenarios(cluster.addresses["coordinator"], metrics_url)))
     text = render(out)
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)

@@ -125,13 +125,17 @@ class FailoverVerifier:
 
     async def verify(self, handle: VerifyHandle, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
         try:
-            outcome, finish = await handle.remote.verify(handle.session_id, proposal)
+            outcome, finish = await self._send_verify(handle, proposal)
         except grpc.aio.AioRpcError as exc:
             if not replica_failed(exc):
                 raise
             return await self._reopen(handle), None
         handle.emitted.extend(outcome.token_ids)
         return outcome, finish
+
+    async def _send_verify(self, handle: VerifyHandle, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
+        """The round's RPC (a branch of a skeleton answer sends it with its siblings' instead)."""
+        return await handle.remote.verify(handle.session_id, proposal)
 
     async def step(self, handle: VerifyHandle, k: int) -> tuple[int, VerifyOutcome, FinishReason | None, float]:
         try:

@@ -18,8 +18,11 @@ One request (GENERATION_MODE_SKELETON, or chosen by `coordinator.mode_choice`), 
               an asyncio task beside its siblings. A `RoundGate` sends the siblings' Verify calls
               together each round, so they meet in one forward of the batcher instead of drifting
               into groups whose forwards alternate. Streamed as branch i (first message: the
-              point's header line). Once every point has started and forked, the skeleton
-              session is closed (it only held KV, and counted as a session the batcher waits for).
+              point's header line). Branches launched together fork in one Fork RPC, and the
+              rounds the gate releases leave as one VerifyBatch RPC per replica
+              (`coordinator.siblings`). Once every point has started and forked, the
+              skeleton session is closed (it only held KV, and counted as a session the batcher
+              waits for).
     merge:    one -1 message: the merged answer, the stats of every round, `SkeletonStats`.
 
 Layouts (`SkeletonRequest.layout`, common.proto BranchLayout), the same text either way:
@@ -50,8 +53,9 @@ from typing import Any
 
 import grpc
 
-from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier, VerifyHandle, open_or_close_later, replica_failed
+from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier, VerifyHandle, replica_failed
 from coordinator.pools import ServicePool
+from coordinator.siblings import SiblingCalls
 from servicekit.convert import FINISH_TO_PB, sampling_to_pb, stats_to_pb
 from servicekit.engine_thread import run_aside
 from servicekit.remote import RemoteVerifier
@@ -168,11 +172,12 @@ class BranchVerifier(FailoverVerifier):
     Each round waits at `gate` for the siblings' (joined as `member` at launch; `leave` at the end)."""
 
     def __init__(self, links: Links, parent: VerifyHandle | None, num_shared: int, gate: RoundGate, member: int,
-                 layout: int = common_pb2.BRANCH_LAYOUT_BATCHING):
+                 layout: int = common_pb2.BRANCH_LAYOUT_BATCHING, siblings: SiblingCalls | None = None):
         super().__init__(links.verify, links.info, links.calls, links.failovers, sparse_q=links.sparse_q)
         self.parent = parent
         self.num_shared = num_shared
         self.layout = layout
+        self.siblings = siblings
         self.prefilled = False
         self.opened = False  # the open (fork or prefill) is over, however it went
         self.gate, self.member = gate, member
@@ -184,6 +189,11 @@ class BranchVerifier(FailoverVerifier):
     async def verify(self, handle: VerifyHandle, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
         await self.gate.arrive(self.member)
         return await super().verify(handle, proposal)
+
+    async def _send_verify(self, handle: VerifyHandle, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
+        if self.siblings is None:
+            return await super()._send_verify(handle, proposal)
+        return await self.siblings.verify(handle.remote, handle.session_id, proposal)
 
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[VerifyHandle, int]:
         try:
@@ -197,14 +207,11 @@ class BranchVerifier(FailoverVerifier):
             self.prefilled = True
             return await super().open(prompt_ids, params)
         self._prompt, self._params = list(prompt_ids), params
-        request = verify_pb2.ForkRequest(session_id=parent.session_id, num_children=1, child_sampling=[_token_level(params)],
-                                         num_prefix_tokens=self.num_shared, append_token_ids=self._prompt[self.num_shared:],
-                                         layout=self.layout)
-        remote = parent.remote
-        try:  # a request cancelled during the Fork closes the child it makes
-            response = await open_or_close_later(
-                remote.stub.Fork(request, timeout=self.calls.timeout_s, metadata=remote.metadata),
-                lambda forked: remote.close(forked.child_session_ids[0]))
+        siblings = self.siblings or SiblingCalls()
+        try:  # siblings forking in the same turn share one Fork; a child whose caller is gone is closed
+            child_id, first = await siblings.fork(parent.remote, parent.session_id, self.num_shared,
+                                                  self._prompt[self.num_shared:], _token_level(params), self.layout,
+                                                  self.calls.timeout_s)
         except grpc.aio.AioRpcError as exc:
             if not replica_failed(exc):
                 raise
@@ -212,8 +219,7 @@ class BranchVerifier(FailoverVerifier):
             self.prefilled = True
             return await super().open(prompt_ids, params)
         self.pool.replicas.start(parent.replica)
-        first = response.next_token_ids[0]
-        return VerifyHandle(parent.replica, parent.remote, response.child_session_ids[0], [first]), first
+        return VerifyHandle(parent.replica, parent.remote, child_id, [first]), first
 
 
 @dataclass
@@ -352,6 +358,7 @@ class SkeletonAnswer:
         queue: asyncio.Queue[coordinator_pb2.GenerateResponse | BranchEnd] = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
         gate = RoundGate(ROUND_GATE_MAX_WAIT_S)
+        siblings = SiblingCalls()  # forks of one turn leave as one Fork, rounds the gate releases as one VerifyBatch
         verifiers: list[BranchVerifier] = []
 
         async def start(launches: list[Launch]) -> None:
@@ -361,7 +368,7 @@ class SkeletonAnswer:
                                           request.fmt)
                 ids, num_shared = branch_prompt(self.tokenizer, plan_verifier.session_ids, messages)
                 verifiers.append(BranchVerifier(self.links, plan_verifier.handle, num_shared, gate, launch.point.id,
-                                                request.layout))
+                                                request.layout, siblings))
                 task = asyncio.get_running_loop().create_task(self._branch(launch, ids, verifiers[-1], queue))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -389,6 +396,8 @@ class SkeletonAnswer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         self.summary.branches_ms = self._ms() - first_start_ms
+        self.summary.num_verify_batches, self.summary.num_batched_rounds = siblings.num_verify_batches, siblings.num_batched_rounds
+        self.summary.num_fork_rpcs = siblings.num_fork_rpcs
         yield self._merged(skeleton)
 
     async def _branch(self, launch: Launch, prompt_ids: list[int], verifier: BranchVerifier,

@@ -95,6 +95,30 @@ class RemoteVerifier:
         self._forced.setdefault(session_id, []).extend(int(t) for t in token_ids)
 
     async def verify(self, session_id: str, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
+        request = await self._verify_request(session_id, proposal)
+        response = await call_round(self.stub.Verify, request, self.timeout_s, self.metadata or ())
+        return self._verify_result(request, response, proposal)
+
+    async def verify_batch(self, items: Sequence[tuple[str, DraftProposal]]
+                           ) -> list[tuple[VerifyOutcome, FinishReason | None] | grpc.aio.AioRpcError]:
+        """Several sessions' rounds in one VerifyBatch RPC (one forward on the service). Per item: its
+        result, or the error the service answered for it alone, as the AioRpcError a Verify would have
+        raised. A failure of the whole call raises (no item was applied, or a resend replays them)."""
+        requests = [await self._verify_request(session_id, proposal) for session_id, proposal in items]
+        batch = await call_round(self.stub.VerifyBatch, verify_pb2.VerifyBatchRequest(requests=requests), self.timeout_s,
+                                 self.metadata or ())
+        if len(batch.responses) != len(requests):
+            raise ValueError(f"malformed VerifyBatchResponse: {len(batch.responses)} answers for {len(requests)} requests")
+        results: list[tuple[VerifyOutcome, FinishReason | None] | grpc.aio.AioRpcError] = []
+        for request, response, (_, proposal) in zip(requests, batch.responses, items):
+            if response.status_code:
+                code = next((c for c in grpc.StatusCode if c.value[0] == response.status_code), grpc.StatusCode.UNKNOWN)
+                results.append(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), response.status_message))
+            else:
+                results.append(self._verify_result(request, response, proposal))
+        return results
+
+    async def _verify_request(self, session_id: str, proposal: DraftProposal) -> verify_pb2.VerifyRequest:
         if proposal.unverified:
             raise ValueError("an unverified chunk is committed (commit), never verified")
         request = verify_pb2.VerifyRequest(session_id=session_id, draft_token_ids=proposal.token_ids,
@@ -105,8 +129,11 @@ class RemoteVerifier:
         if proposal.q is not None and proposal.num_tokens:
             vocab_size = (await self.info()).vocab_size
             request.distributions.CopyFrom(distributions_to_pb(proposal.q, proposal.q.dtype, self.sparse_q, vocab_size))
-        response = await call_round(self.stub.Verify, request, self.timeout_s, self.metadata or ())
-        self._rounds[session_id] = response.round_index + 1
+        return request
+
+    def _verify_result(self, request: verify_pb2.VerifyRequest, response: verify_pb2.VerifyResponse,
+                       proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
+        self._rounds[request.session_id] = response.round_index + 1
         self.counters.add(request, response)
         self.counters.end_round()
         return outcome_from_pb(response, proposal), FINISH_FROM_PB[response.finish_reason]

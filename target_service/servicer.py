@@ -315,7 +315,13 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.quotas.check_fork(n)
         if request.child_sampling and len(request.child_sampling) != n:
             raise ValueError("child_sampling must be empty or have one entry per child")
-        append = token_ids_from_pb(request.append_token_ids, self.vocab_size, "append_token_ids")
+        append: list[int] | list[list[int]] = token_ids_from_pb(request.append_token_ids, self.vocab_size, "append_token_ids")
+        if request.child_appends:
+            if append:
+                raise ValueError("set append_token_ids or child_appends, not both")
+            if len(request.child_appends) != n or not all(c.token_ids for c in request.child_appends):
+                raise ValueError(f"child_appends needs one non-empty entry per child ({n})")
+            append = [token_ids_from_pb(c.token_ids, self.vocab_size, "child_appends") for c in request.child_appends]
         if request.layout not in common_pb2.BranchLayout.values():
             raise ValueError(f"unknown layout {request.layout}")
         one_sequence = request.layout == common_pb2.BRANCH_LAYOUT_ONE_SEQUENCE
@@ -326,11 +332,12 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                 raise ValueError(f"num_prefix_tokens {num_prefix} exceeds the parent's {parent.target.num_tokens} tokens")
             if num_prefix < parent.target.num_tokens and not append:
                 raise ValueError("num_prefix_tokens shorter than the parent needs append_token_ids")
-            if num_prefix + len(append) > self.engine.max_context:
+            tails = [len(a) for a in append] if request.child_appends else [len(append)] * n
+            if num_prefix + max(tails) > self.engine.max_context:
                 raise ContextLengthError("append_token_ids do not fit in the context window")
             params = child_params or [parent.target.params] * n
             seeds = [p.seed if child_params else (parent.seed + 1 + i) % 2**63 for i, p in enumerate(params)]
-            async with self.admission(n * (num_prefix + len(append)), num_sessions=n):
+            async with self.admission(n * num_prefix + sum(tails), num_sessions=n):
                 children = await self.engine_thread.run(self._fork, parent, append, params, seeds, num_prefix,
                                                         one_sequence)
                 child_ids: list[str] = []
@@ -343,12 +350,12 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                     raise
         return verify_pb2.ForkResponse(child_session_ids=child_ids, next_token_ids=[c.target.pending_token_id for c in children])
 
-    def _fork(self, parent: VerifySession, append: list[int], params: list[SamplingParams], seeds: list[int],
-              num_prefix: int, one_sequence: bool = False) -> list[VerifySession]:
+    def _fork(self, parent: VerifySession, append: list[int] | list[list[int]], params: list[SamplingParams],
+              seeds: list[int], num_prefix: int, one_sequence: bool = False) -> list[VerifySession]:
         """Engine thread: children share the parent's KV blocks (its first `num_prefix` tokens); with
-        `append`, one forward over all children feeds [their pending token, *append] and samples each
-        child's next token. A child's rounds count from the fork: everything before its pending token
-        is its prompt."""
+        `append` (one list for all, or one per child), one forward over all children feeds [their
+        pending token, *append] and samples each child's next token. A child's rounds count from the
+        fork: everything before its pending token is its prompt."""
         generators = [make_generator(seed, self.engine.device)[0] for seed in seeds]
         targets = self.verifier.fork(parent.target, params, generators, append, num_prefix, one_sequence)
         return [self._new_session(target, target.num_tokens - 1, seed, parent.encoder_input_ids)

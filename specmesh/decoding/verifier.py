@@ -190,7 +190,7 @@ class TargetVerifier:
         parent: TargetSession,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
-        append_token_ids: Sequence[int] = (),
+        append_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
         num_prefix_tokens: int | None = None,
         one_sequence: bool = False,
     ) -> list[TargetSession]:
@@ -203,24 +203,33 @@ class TargetVerifier:
         (`rewind`) before the append, which is then required: e.g. a branch prompt that shares the
         skeleton session's first n tokens. The parent is unchanged either way.
 
+        `append_token_ids` may also be one list per child (each child its own tail, e.g. each branch
+        its own point prompt); the children's first tokens still come from one forward.
+
         `one_sequence`: the children are regions of one sequence with the parent's prefix (engine.py:
         layouts), so their forwards (and the parent's) share one attention row; otherwise each is a
         sequence of its own ("batching"). Either layout gives each child the same tokens.
         """
-        append = [int(t) for t in append_token_ids]
+        if append_token_ids and not isinstance(append_token_ids[0], int):
+            appends = [[int(t) for t in tail] for tail in append_token_ids]  # type: ignore[union-attr]
+            if len(appends) != len(params) or not all(appends):
+                raise ValueError(f"per-child appends need one non-empty list per child: {len(params)} children, "
+                                 f"{sum(map(bool, appends))} of {len(appends)} lists non-empty")
+        else:
+            appends = [[int(t) for t in append_token_ids]] * len(params)  # type: ignore[arg-type]
         num_prefix = parent.num_tokens if num_prefix_tokens is None else num_prefix_tokens
         if not 1 <= num_prefix <= parent.num_tokens:
             raise ValueError(f"num_prefix_tokens must be in [1, {parent.num_tokens}], got {num_prefix}")
-        if num_prefix < parent.num_tokens and not append:
+        if num_prefix < parent.num_tokens and not all(appends):
             raise ValueError("children cut to a prefix of the parent need append_token_ids to sample from")
-        if num_prefix + len(append) > self.engine.max_context:
-            raise ContextLengthError(f"{len(append)} appended tokens do not fit in the context window")
+        if num_prefix + max(map(len, appends), default=0) > self.engine.max_context:
+            raise ContextLengthError(f"{max(map(len, appends))} appended tokens do not fit in the context window")
         children: list[TargetSession] = []
         group = None
         if one_sequence:
             group = parent.group = parent.seq_id if parent.group is None else parent.group
         try:
-            for child_params, generator in zip(params, generators):
+            for child_params, generator, append in zip(params, generators, appends):
                 child = TargetSession(self.engine.fork(parent.seq_id), child_params, generator, list(parent.token_ids),
                                       parent.num_cached, group=group)
                 children.append(child)
@@ -228,7 +237,7 @@ class TargetVerifier:
                     self.rewind(child, [*parent.token_ids[:num_prefix], *append])
                 else:
                     child.token_ids.extend(append)
-            if append:
+            if any(appends):
                 self.verify_many(children, [DraftProposal(token_ids=[])] * len(children))
         except BaseException:
             for child in children:

@@ -119,8 +119,9 @@ def test_the_prefix_keys_are_read_once_per_group(engine, monkeypatch):
         engine.free(seq)
 
 
+@pytest.mark.parametrize("one_fork", [False, True], ids=["fork-each", "one-fork-per-child-appends"])
 @pytest.mark.parametrize("one_sequence", [False, True], ids=["batching", "one_sequence"])
-def test_forked_branches_verify_exactly_in_either_layout(tiny_model_dir, one_sequence):
+def test_forked_branches_verify_exactly_in_either_layout(tiny_model_dir, one_sequence, one_fork):
     """Skeleton-of-Thought's shape in-process: a parent prompt, children forked at a shared prefix with
     their own appended prompts, rounds of every child verified in one forward, half-wrong drafts (so
     regions roll back); each child's tokens equal greedy decoding of its full prompt alone."""
@@ -131,8 +132,14 @@ def test_forked_branches_verify_exactly_in_either_layout(tiny_model_dir, one_seq
     parent = verifier.open(prefix + random_ids(engine.vocab_size, 3, seed=41), greedy, torch.Generator())
     appends = [random_ids(engine.vocab_size, n, seed=50 + n) for n in (4, 7, 2)]
     expected = [generate(TargetVerifier(engine), None, prefix + a, greedy).token_ids for a in appends]
-    children = [verifier.fork(parent, [greedy], [torch.Generator()], a, num_prefix_tokens=30, one_sequence=one_sequence)[0]
-                for a in appends]
+    forwards_before = engine.stats.num_forwards
+    if one_fork:  # every child's own tail, their first tokens from one forward
+        children = verifier.fork(parent, [greedy] * 3, [torch.Generator() for _ in appends], appends, num_prefix_tokens=30,
+                                 one_sequence=one_sequence)
+    else:
+        children = [verifier.fork(parent, [greedy], [torch.Generator()], a, num_prefix_tokens=30, one_sequence=one_sequence)[0]
+                    for a in appends]
+    assert engine.stats.num_forwards - forwards_before == (1 if one_fork else 3)
     assert [c.group for c in children] == ([parent.seq_id] * 3 if one_sequence else [None] * 3)
     emitted = [[c.pending_token_id] for c in children]
     rows_before = engine.stats.num_attention_rows

@@ -182,6 +182,11 @@ def test_a_skeleton_answer_streams_forked_branches_each_exact(cluster, tokenizer
                                                         for p in skeleton.points]
     assert summary.num_prefilled_branches == 0 and summary.route_reason == "requested" and not summary.direct_reason
     assert summary.layout == LAYOUTS[layout]
+    # the siblings' rounds left the coordinator as VerifyBatch RPCs, most of them
+    # the branches launched together (the independent points) forked in one Fork RPC
+    assert summary.num_fork_rpcs < len(skeleton.points)
+    longest = max(b.num_rounds for b in summary.branches)
+    assert summary.num_verify_batches >= longest // 2 and summary.num_batched_rounds >= 2 * summary.num_verify_batches
     assert summary.num_skeleton_tokens == len(plan_ids) and 0 < summary.skeleton_ms < summary.total_ms
     assert answer[0].stats.num_generated_tokens == len(plan_ids) + sum(b.num_tokens for b in summary.branches)
 
@@ -344,8 +349,17 @@ def test_bad_constraints_and_forks_are_invalid_arguments(cluster, tokenizer):
                 return stub.Fork(verify_pb2.ForkRequest(session_id=parent, num_children=1, num_prefix_tokens=num_prefix_tokens,
                                                         append_token_ids=append), timeout=TIMEOUT_S)
 
+            def fork_each(num_children: int, appends: list[list[int]], **kw):
+                return stub.Fork(verify_pb2.ForkRequest(
+                    session_id=parent, num_children=num_children, num_prefix_tokens=2,
+                    child_appends=[verify_pb2.ChildAppend(token_ids=a) for a in appends], **kw), timeout=TIMEOUT_S)
+
             codes += [await code(fork(len(prompt) + 2, [5])),  # longer than the parent
-                      await code(fork(2, []))]  # cut to a prefix with nothing to sample from
+                      await code(fork(2, [])),  # cut to a prefix with nothing to sample from
+                      await code(fork_each(2, [[5]])),  # one append for two children
+                      await code(fork_each(2, [[5], []])),  # a child with nothing to sample from
+                      await code(fork_each(1, [[5]], append_token_ids=[6])),  # both kinds of append
+                      await code(fork_each(1, [[5]], layout=7))]  # no such layout
             # the same sequence rebuilt from a shared prefix of 2; a child is not constrained, so its
             # next token is the unconstrained session's first
             child = await fork(2, prompt[2:])
@@ -356,7 +370,7 @@ def test_bad_constraints_and_forks_are_invalid_arguments(cluster, tokenizer):
                 await stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id), timeout=TIMEOUT_S)
             return codes
 
-    assert _run(main()) == [grpc.StatusCode.INVALID_ARGUMENT] * 5 + [grpc.StatusCode.OK]
+    assert _run(main()) == [grpc.StatusCode.INVALID_ARGUMENT] * 9 + [grpc.StatusCode.OK]
 
 
 def test_a_cancelled_answer_closes_every_session(cluster):

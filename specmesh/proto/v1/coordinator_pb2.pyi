@@ -348,6 +348,9 @@ class SkeletonStats(_message.Message):
     PARALLEL_SPEEDUP_ESTIMATE_FIELD_NUMBER: _builtins.int
     NUM_PREFILLED_BRANCHES_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
+    NUM_VERIFY_BATCHES_FIELD_NUMBER: _builtins.int
+    NUM_BATCHED_ROUNDS_FIELD_NUMBER: _builtins.int
+    NUM_FORK_RPCS_FIELD_NUMBER: _builtins.int
     route_reason: _builtins.str
     """why SoT was chosen (e.g. "requested")"""
     direct_reason: _builtins.str
@@ -373,6 +376,12 @@ class SkeletonStats(_message.Message):
     """(their prompt did not extend the skeleton session's tokens)
     the branch layout that ran
     """
+    num_verify_batches: _builtins.int
+    """VerifyBatch RPCs that carried sibling branches' rounds together"""
+    num_batched_rounds: _builtins.int
+    """branch rounds that rode in them (the rest went as single Verify calls)"""
+    num_fork_rpcs: _builtins.int
+    """Fork RPCs that made the forked branches (branches launched together share one)"""
     @_builtins.property
     def branches(self) -> _containers.RepeatedCompositeFieldContainer[Global___BranchStats]:
         """in plan order"""
@@ -391,10 +400,13 @@ class SkeletonStats(_message.Message):
         parallel_speedup_estimate: _builtins.float = ...,
         num_prefilled_branches: _builtins.int = ...,
         layout: _common_pb2.BranchLayout.ValueType = ...,
+        num_verify_batches: _builtins.int = ...,
+        num_batched_rounds: _builtins.int = ...,
+        num_fork_rpcs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["branches", b"branches", "branches_ms", b"branches_ms", "direct_reason", b"direct_reason", "layout", b"layout", "max_parallel", b"max_parallel", "num_prefilled_branches", b"num_prefilled_branches", "num_skeleton_tokens", b"num_skeleton_tokens", "parallel_speedup_estimate", b"parallel_speedup_estimate", "route_reason", b"route_reason", "skeleton_ms", b"skeleton_ms", "total_ms", b"total_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["branches", b"branches", "branches_ms", b"branches_ms", "direct_reason", b"direct_reason", "layout", b"layout", "max_parallel", b"max_parallel", "num_batched_rounds", b"num_batched_rounds", "num_fork_rpcs", b"num_fork_rpcs", "num_prefilled_branches", b"num_prefilled_branches", "num_skeleton_tokens", b"num_skeleton_tokens", "num_verify_batches", b"num_verify_batches", "parallel_speedup_estimate", b"parallel_speedup_estimate", "route_reason", b"route_reason", "skeleton_ms", b"skeleton_ms", "total_ms", b"total_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -402,6 +402,7 @@ class ForkRequest(_message.Message):
     APPEND_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     NUM_PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
+    CHILD_APPENDS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """parent"""
     num_children: _builtins.int
@@ -418,6 +419,12 @@ class ForkRequest(_message.Message):
     def append_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """optional tokens appended to every child after the fork"""
 
+    @_builtins.property
+    def child_appends(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChildAppend]:
+        """Per child: the tokens appended to that child alone (one entry per child), e.g. each branch's own
+        point prompt; every child's first token comes from one forward. Set this or append_token_ids.
+        """
+
     def __init__(
         self,
         *,
@@ -427,14 +434,35 @@ class ForkRequest(_message.Message):
         append_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_prefix_tokens: _builtins.int = ...,
         layout: _common_pb2.BranchLayout.ValueType = ...,
+        child_appends: _abc.Iterable[Global___ChildAppend] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_token_ids", b"append_token_ids", "child_sampling", b"child_sampling", "layout", b"layout", "num_children", b"num_children", "num_prefix_tokens", b"num_prefix_tokens", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_token_ids", b"append_token_ids", "child_appends", b"child_appends", "child_sampling", b"child_sampling", "layout", b"layout", "num_children", b"num_children", "num_prefix_tokens", b"num_prefix_tokens", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ForkRequest: _TypeAlias = ForkRequest  # noqa: Y015
+
+@_typing.final
+class ChildAppend(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChildAppend: _TypeAlias = ChildAppend  # noqa: Y015
 
 @_typing.final
 class ForkResponse(_message.Message):
