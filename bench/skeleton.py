@@ -52,7 +52,7 @@ from specmesh.skeleton.prompts import point_messages  # noqa: E402
 from specmesh.skeleton.types import Skeleton  # noqa: E402
 
 THREADS = int(os.environ.get("SPECMESH_BENCH_THREADS", "2"))
-REPEATS = int(os.environ.get("SPECMESH_BENCH_REPEATS", "2"))
+REPEATS = int(os.environ.get("SPECMESH_BENCH_REPEATS", "3"))
 MAX_NEW_TOKENS = 96  # per branch
 QUESTION = "What are some tips for better sleep?"
 PLAN = ("[PLAN]\n1.<80><None>[-]Keep a regular schedule\n2.<80><None>[-]Make the bedroom dark and quiet\n"

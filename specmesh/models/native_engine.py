@@ -347,13 +347,15 @@ class NativeEngine:
                 mask = allowed & ((query_positions[:, :, None] - key_positions[:, None, :]) < window)
                 mask[:, :, 0] |= ~mask.any(dim=-1)
             masks[window] = mask.unsqueeze(1).to(device)
+        # one row holding the whole batch in order: its queries are the packed tokens as they are
+        identity = num_rows == 1 and q_index == list(range(len(token_ids)))
         attention = AttentionBatch(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             new_slots=torch.tensor(new_slots, dtype=torch.long, device=device),
             key_slots=key_slots.to(device),
             masks=masks,
-            query_index=torch.tensor(q_index, dtype=torch.long, device=device),
-            output_index=torch.tensor(o_index, dtype=torch.long, device=device),
+            query_index=None if identity else torch.tensor(q_index, dtype=torch.long, device=device),
+            output_index=None if identity else torch.tensor(o_index, dtype=torch.long, device=device),
             batch_size=num_rows,
             max_new=max_new,
         )

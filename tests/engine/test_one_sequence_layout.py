@@ -158,3 +158,20 @@ def test_forked_branches_verify_exactly_in_either_layout(tiny_model_dir, one_seq
         assert tokens == reference[: len(tokens)] and len(tokens) >= 12
     for session in [parent, *children]:
         verifier.close(session)
+
+
+def test_a_low_bit_group_is_bit_identical_to_each_member_alone(tiny_model_dir):
+    """The low-bit path's fixed-order attention visits a member's visible keys in key order, and the
+    one-sequence row lists the prefix first, then the member's region: the same keys in the same
+    order as the member alone, so its logits are equal to the last bit."""
+    engine = load_engine(tiny_model_dir("llama", init_std=0.2), quantize="q8_0", block_size=4)
+    if not engine.model.invariant_attention:
+        pytest.skip("the low-bit kernels are not built here")
+    prefix = random_ids(engine.vocab_size, 13, seed=60)
+    root, members = fork_members(engine, prefix, 3)
+    tails = [random_ids(engine.vocab_size, n, seed=61 + n) for n in (3, 1, 4)]
+    got = engine.forward([SeqInput(m, tail, list(range(len(tail))), group=root) for m, tail in zip(members, tails)])
+    for logits, tail in zip(got, tails):
+        assert torch.equal(logits, run_alone(engine, prefix + tail, [13, len(tail)])[13:])
+    for seq in [root, *members]:
+        engine.free(seq)
