@@ -66,6 +66,9 @@ def sampling_parser() -> argparse.ArgumentParser:
     group.add_argument("--cascade-lambda", type=float, default=None,
                        help="adaptive cascade, LOSSY (opt-in): target-forward equivalents one expected disagreement is "
                             "worth; inf = lossless; default: the coordinator's")
+    group.add_argument("--sot-layout", default="", choices=["batching", "one_sequence"],
+                       help="skeleton mode: branches as sequences of their own, or as regions of one sequence "
+                            "(the same text either way); default: the coordinator's")
     group.add_argument("--timeout-s", type=float, default=600.0, help="deadline of one generation")
     return parser
 
@@ -74,7 +77,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     """`CoordinatorClient.generate` keywords from the generation flags."""
     return dict(mode=args.mode, drafter=args.drafter or "", k=args.k, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
-                timeout_s=args.timeout_s, cascade=args.cascade, cascade_lambda=args.cascade_lambda)
+                timeout_s=args.timeout_s, cascade=args.cascade, cascade_lambda=args.cascade_lambda,
+                sot_layout=getattr(args, "sot_layout", ""))
 
 
 def make_client(args: argparse.Namespace) -> CoordinatorClient:

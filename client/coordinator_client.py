@@ -163,16 +163,22 @@ class CoordinatorStats:
                    [ReplicaStatus(r.kind, r.address, r.healthy, r.in_flight) for r in pb.replicas])
 
 
+SOT_LAYOUTS = {"": common_pb2.BRANCH_LAYOUT_UNSPECIFIED, "batching": common_pb2.BRANCH_LAYOUT_BATCHING,
+               "one_sequence": common_pb2.BRANCH_LAYOUT_ONE_SEQUENCE}  # skeleton mode ("" = the coordinator's)
+
+
 def generate_request(prompt: Prompt, *, mode: str = "speculative", drafter: str = "", k: int = 0,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                      max_new_tokens: int = 128, stop: Sequence[str] = (), ignore_eos: bool = False,
                      request_id: str = "", cascade: str = "",
-                     cascade_lambda: float | None = None) -> coordinator_pb2.GenerateRequest:
+                     cascade_lambda: float | None = None, sot_layout: str = "") -> coordinator_pb2.GenerateRequest:
     """The `GenerateRequest` for these arguments; ValueError for a mode or drafter the client does not know."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(m for m in MODES if m)}")
     if drafter not in DRAFTERS:
         raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(d for d in DRAFTERS if d)}")
+    if sot_layout not in SOT_LAYOUTS:
+        raise ValueError(f"unknown skeleton layout {sot_layout!r}; choose one of {', '.join(x for x in SOT_LAYOUTS if x)}")
     if k < 0 or max_new_tokens < 0 or top_k < 0:
         raise ValueError("k, max_new_tokens and top_k must be >= 0")
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, stop=list(stop),
@@ -180,7 +186,8 @@ def generate_request(prompt: Prompt, *, mode: str = "speculative", drafter: str 
     if seed is not None:
         sampling.seed = seed
     request = coordinator_pb2.GenerateRequest(sampling=sampling, mode=MODES[mode], num_draft_tokens=k,
-                                              request_id=request_id, drafter=drafter, cascade=cascade)
+                                              request_id=request_id, drafter=drafter, cascade=cascade,
+                                              skeleton_layout=SOT_LAYOUTS[sot_layout])
     if cascade_lambda is not None:
         request.cascade_lambda = cascade_lambda
     if isinstance(prompt, str):
