@@ -44,9 +44,13 @@ Example:
 3.<40><None>[1,2]Putting both into a routine
 [END]"""
 
+# The instruction every point shares comes first and the point's own words last, so sibling branches'
+# prompts share every token up to "Point": the Verify service prefills that part once for all of them
+# (TargetVerifier.fork: a common head of the children's appends goes through one trunk forward).
 POINT_INSTRUCTIONS = """\
-Now write point {id} of the plan only: "{title}". Write about {est_tokens} tokens (roughly {num_words} words) \
-of plain text. Do not repeat the title, do not write the other points, and do not write plan markers."""
+Write one point of the plan only, in plain text. Do not repeat the title, do not write the other points, \
+and do not write plan markers.
+Point {id}: "{title}", about {est_tokens} tokens (roughly {num_words} words)."""
 
 
 def skeleton_messages(question: str, fmt: SkeletonFormat = DEFAULT_FORMAT) -> list[Message]:
@@ -77,8 +81,9 @@ def point_request(point: Point, dependencies: Sequence[tuple[Point, str]] = (), 
     Passages from the provided documents:
     [1] Price: 3 EUR.
     <BLANKLINE>
-    Now write point 2 of the plan only: "Costs". Write about 40 tokens (roughly 30 words) of plain text. \
-Do not repeat the title, do not write the other points, and do not write plan markers.
+    Write one point of the plan only, in plain text. Do not repeat the title, do not write the other points, \
+and do not write plan markers.
+    Point 2: "Costs", about 40 tokens (roughly 30 words).
     """
     parts = []
     if dependencies:

@@ -175,3 +175,30 @@ def test_a_low_bit_group_is_bit_identical_to_each_member_alone(tiny_model_dir):
         assert torch.equal(logits, run_alone(engine, prefix + tail, [13, len(tail)])[13:])
     for seq in [root, *members]:
         engine.free(seq)
+
+
+@pytest.mark.parametrize("one_sequence", [False, True], ids=["batching", "one_sequence"])
+def test_a_common_head_of_the_children_tails_is_prefilled_once(tiny_model_dir, one_sequence):
+    """Point prompts share their instruction: a fork with per-child tails that begin alike feeds that
+    head once (a trunk forward), then each child's own rest; every child still equals greedy decoding
+    of its full prompt alone."""
+    engine = load_engine(tiny_model_dir("llama", init_std=0.2), dtype="float64", block_size=4)
+    verifier = TargetVerifier(engine)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    prefix = random_ids(engine.vocab_size, 21, seed=70)
+    parent = verifier.open(prefix, greedy, torch.Generator())
+    head = random_ids(engine.vocab_size, 12, seed=71)
+    appends = [head + random_ids(engine.vocab_size, n, seed=72 + n) for n in (3, 1, 5)]
+    before = (engine.stats.num_forwards, engine.stats.num_tokens_forwarded)
+    children = verifier.fork(parent, [greedy] * 3, [torch.Generator() for _ in appends], appends, num_prefix_tokens=21,
+                             one_sequence=one_sequence)
+    forwards, tokens = (a - b for a, b in zip((engine.stats.num_forwards, engine.stats.num_tokens_forwarded), before))
+    assert forwards == 2 and tokens == 12 + (3 + 1 + 5)  # the head once, then each child its own rest
+    for child, append in zip(children, appends):
+        emitted = [child.pending_token_id]
+        while len(emitted) < 10:
+            emitted += verifier.verify(child, DraftProposal(token_ids=[])).token_ids
+        assert emitted == generate(TargetVerifier(engine), None, prefix + append, greedy).token_ids
+    for session in [parent, *children]:
+        verifier.close(session)
+    assert engine.kv_usage().free_blocks == engine.kv_usage().total_blocks  # the trunk's blocks went with its children

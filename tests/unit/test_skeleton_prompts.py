@@ -43,8 +43,18 @@ def test_point_messages_extend_the_skeleton_conversation():
     assert messages[1] == {"role": "assistant", "content": SKELETON_TEXT}
     request = messages[2]["content"]
     assert messages[2]["role"] == "user"
-    assert 'point 2 of the plan only: "Mind the light"' in request and "about 60 tokens" in request
+    assert request.endswith('Point 2: "Mind the light", about 60 tokens (roughly 45 words).')
     assert "1. Keep a schedule\nGo to bed at ten." in request and "[1] Blue light delays sleep." in request
+
+
+def test_independent_points_share_their_prompts_up_to_the_point_line():
+    """The instruction comes before the point's own words, so sibling branches' prompts share a long
+    head (the Verify service prefills it once for all of them)."""
+    skeleton = parse_skeleton(SKELETON_TEXT)
+    assert isinstance(skeleton, Skeleton)
+    first, second = (point_request(p) for p in skeleton.points)
+    shared = common_prefix_length(first, second)
+    assert first[:shared].endswith("plan markers.\nPoint ") and shared > 100
 
 
 def test_search_without_passages_is_the_none_prompt():
