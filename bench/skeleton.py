@@ -16,6 +16,7 @@ Scenarios, each through the coordinator's Generate stream (client-side wall time
   drafts: what a real request costs with this small model (its plan, its dependencies, its time).
 
     .venv/bin/python bench/skeleton.py        # ~3 minutes on 2 CPU cores; writes bench/results/skeleton.{json,md}
+    SPECMESH_BENCH_QUESTION=groceries .venv/bin/python bench/skeleton.py   # a second question -> skeleton_groceries.*
 
 The Verify service and the Coordinator run as two processes, started as `make run-cluster` starts
 them (client.cluster.Cluster); medians of REPEATS, scenarios interleaved. One machine, one run: the
@@ -54,9 +55,16 @@ from specmesh.skeleton.types import Skeleton  # noqa: E402
 THREADS = int(os.environ.get("SPECMESH_BENCH_THREADS", "2"))
 REPEATS = int(os.environ.get("SPECMESH_BENCH_REPEATS", "3"))
 MAX_NEW_TOKENS = 96  # per branch
-QUESTION = "What are some tips for better sleep?"
-PLAN = ("[PLAN]\n1.<80><None>[-]Keep a regular schedule\n2.<80><None>[-]Make the bedroom dark and quiet\n"
-        "3.<80><None>[-]Limit caffeine and screens\n4.<80><None>[-]Relax before bed\n[END]")
+QUESTIONS = {  # SPECMESH_BENCH_QUESTION picks one; results go to skeleton.{md,json}, or skeleton_<name>.{md,json}
+    "sleep": ("What are some tips for better sleep?",
+              "[PLAN]\n1.<80><None>[-]Keep a regular schedule\n2.<80><None>[-]Make the bedroom dark and quiet\n"
+              "3.<80><None>[-]Limit caffeine and screens\n4.<80><None>[-]Relax before bed\n[END]"),
+    "groceries": ("How can I save money on groceries?",
+                  "[PLAN]\n1.<80><None>[-]Plan meals and make a list\n2.<80><None>[-]Buy store brands\n"
+                  "3.<80><None>[-]Cook at home in batches\n4.<80><None>[-]Use sales and coupons\n[END]"),
+}
+QUESTION_NAME = os.environ.get("SPECMESH_BENCH_QUESTION", "sleep")
+QUESTION, PLAN = QUESTIONS[QUESTION_NAME]
 FORMAT = SkeletonFormat(max_points=8)  # the coordinator's default skeleton_max_points
 MODES = {"sot": coordinator_pb2.GENERATION_MODE_SKELETON, "ar": coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE,
          "spec": coordinator_pb2.GENERATION_MODE_SPECULATIVE}
@@ -299,8 +307,9 @@ def main() -> int:
     text = render(out)
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
-    (results / "skeleton.json").write_text(json.dumps(out, indent=2, default=str))
-    (results / "skeleton.md").write_text(text)
+    stem = "skeleton" if QUESTION_NAME == "sleep" else f"skeleton_{QUESTION_NAME}"
+    (results / f"{stem}.json").write_text(json.dumps(out, indent=2, default=str))
+    (results / f"{stem}.md").write_text(text)
     print(text)
     return 0
 
