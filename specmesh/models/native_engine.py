@@ -50,6 +50,13 @@ def tree_depths(parents: Sequence[int]) -> list[int]:
     return depths
 
 
+def own_mask(item: SeqInput) -> torch.Tensor:
+    """[n, n] bool: which of an input's new tokens each of them sees (its chain, or its tree's ancestry)."""
+    n = len(item.token_ids)
+    return torch.ones(n, n, dtype=torch.bool).tril() if item.parents is None else torch.tensor(
+        tree_ancestry(item.parents), dtype=torch.bool)
+
+
 def attention_rows(batch: Sequence[SeqInput]) -> list[list[int]]:
     """Indices of the batch per attention row: inputs of one group share a row (in batch order), every
     other input is a row of its own.
@@ -201,25 +208,33 @@ class NativeEngine:
                     raise ValueError(f"sequence {item.seq_id}: parents must have one entry per token, each < its index")
 
     def _attention_batch(self, batch: Sequence[SeqInput], starts: list[int], new_slots: list[int]):
+        positions: list[int] = []
+        token_ids: list[int] = []
+        logits_rows: list[int] = []
+        for item, start in zip(batch, starts):
+            depths = range(len(item.token_ids)) if item.parents is None else tree_depths(item.parents)
+            logits_rows += [len(token_ids) + i for i in item.logits_at]
+            positions += [start + d for d in depths]
+            token_ids += item.token_ids
         rows = attention_rows(batch)
         if len(rows) < len(batch):
-            return self._grouped_attention_batch(batch, rows, starts, new_slots)
+            attention = self._grouped_attention(batch, rows, starts, new_slots, positions)
+        else:
+            attention = self._per_sequence_attention(batch, starts, new_slots, positions)
+        device = self.device
+        token_ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
+        logits_rows_t = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        return attention, token_ids_t, logits_rows_t
+
+    def _per_sequence_attention(self, batch: Sequence[SeqInput], starts: list[int], new_slots: list[int],
+                                positions: list[int]) -> AttentionBatch:
+        """The batching layout: one attention row per input."""
         device = self.device
         num_batch = len(batch)
         counts = [len(item.token_ids) for item in batch]
         max_new = max(counts)
         key_lengths = [start + n for start, n in zip(starts, counts)]
         max_keys = max(key_lengths)
-        positions: list[int] = []
-        token_ids: list[int] = []
-        logits_rows: list[int] = []
-        offset = 0
-        for item, start in zip(batch, starts):
-            depths = range(len(item.token_ids)) if item.parents is None else tree_depths(item.parents)
-            positions += [start + d for d in depths]
-            token_ids += item.token_ids
-            logits_rows += [offset + i for i in item.logits_at]
-            offset += len(item.token_ids)
 
         key_range = None
         if num_batch == 1:
@@ -247,12 +262,7 @@ class NativeEngine:
             for s, n in enumerate(counts):
                 query_positions[s, :n] = torch.tensor(positions[offset : offset + n])
                 offset += n
-            for window in self._windows:
-                mask = allowed
-                if window is not None:
-                    mask = allowed & ((query_positions[:, :, None] - key_positions[:, None, :]) < window)
-                    mask[:, :, 0] |= ~mask.any(dim=-1)  # padded rows must see something
-                masks[window] = mask.unsqueeze(1).to(device)
+            masks = self._window_masks(allowed, query_positions, key_positions)
 
         query_index = output_index = None
         if num_batch > 1:
@@ -266,7 +276,7 @@ class NativeEngine:
             query_index = torch.tensor(q_index, dtype=torch.long, device=device)
             output_index = torch.tensor(o_index, dtype=torch.long, device=device)
 
-        attention = AttentionBatch(
+        return AttentionBatch(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             new_slots=torch.tensor(new_slots, dtype=torch.long, device=device),
             key_slots=key_slots_t,
@@ -277,12 +287,21 @@ class NativeEngine:
             max_new=max_new,
             key_range=key_range,
         )
-        token_ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
-        logits_rows_t = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        return attention, token_ids_t, logits_rows_t
 
-    def _grouped_attention_batch(self, batch: Sequence[SeqInput], rows: list[list[int]], starts: list[int],
-                                 new_slots: list[int]):
+    def _window_masks(self, allowed: torch.Tensor, query_positions: torch.Tensor,
+                      key_positions: torch.Tensor) -> dict[int | None, torch.Tensor | None]:
+        """allowed [B, T, K] narrowed by each sliding window of the model -> {window: [B, 1, T, K] on the device}."""
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for window in self._windows:
+            mask = allowed
+            if window is not None:
+                mask = allowed & ((query_positions[:, :, None] - key_positions[:, None, :]) < window)
+                mask[:, :, 0] |= ~mask.any(dim=-1)  # padded rows must see something
+            masks[window] = mask.unsqueeze(1).to(self.device)
+        return masks
+
+    def _grouped_attention(self, batch: Sequence[SeqInput], rows: list[list[int]], starts: list[int],
+                           new_slots: list[int], positions: list[int]) -> AttentionBatch:
         """The in-one-sequence layout (engine.py: layouts): one attention row per group, its keys the union
         of the members' slots in first-seen order (the shared prefix once, then each member's region), each
         query masked to its own member's slots."""
@@ -291,14 +310,6 @@ class NativeEngine:
         flat_offsets = [0]
         for n in counts:
             flat_offsets.append(flat_offsets[-1] + n)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        for i, item in enumerate(batch):
-            depths = range(counts[i]) if item.parents is None else tree_depths(item.parents)
-            positions += [starts[i] + d for d in depths]
-            token_ids += item.token_ids
-            logits_rows += [flat_offsets[i] + j for j in item.logits_at]
 
         row_keys: list[torch.Tensor] = []  # per row: [K_r] slots
         member_keys: dict[int, torch.Tensor] = {}  # item -> index into its row's keys of each of its tokens
@@ -316,20 +327,18 @@ class NativeEngine:
         key_positions = torch.zeros(num_rows, max_keys, dtype=torch.long)
         query_positions = torch.zeros(num_rows, max_new, dtype=torch.long)
         q_index: list[int] = []
-        o_index = [0] * len(token_ids)
+        o_index = [0] * flat_offsets[-1]
         for r, row in enumerate(rows):
             keys = row_keys[r]
             key_slots[r, : keys.shape[0]] = keys
             key_slots[r, keys.shape[0]:] = keys[0]
             t = 0
             for i in row:
-                item, start, n = batch[i], starts[i], counts[i]
+                start, n = starts[i], counts[i]
                 index = member_keys[i]
-                own = (torch.ones(n, n, dtype=torch.bool).tril() if item.parents is None
-                       else torch.tensor(tree_ancestry(item.parents), dtype=torch.bool))
                 queries = allowed[r, t : t + n]  # a view: [n, K_max]
                 queries[:, index[:start]] = True
-                queries[:, index[start:]] = own
+                queries[:, index[start:]] = own_mask(batch[i])
                 member_positions = torch.tensor(positions[flat_offsets[i] : flat_offsets[i + 1]])
                 key_positions[r, index[:start]] = torch.arange(start)
                 key_positions[r, index[start:]] = member_positions
@@ -340,28 +349,18 @@ class NativeEngine:
                 t += n
             allowed[r, t:, 0] = True  # padded queries must see something
             q_index += [flat_offsets[row[0]]] * (max_new - t)
-        masks: dict[int | None, torch.Tensor | None] = {}
-        for window in self._windows:
-            mask = allowed
-            if window is not None:
-                mask = allowed & ((query_positions[:, :, None] - key_positions[:, None, :]) < window)
-                mask[:, :, 0] |= ~mask.any(dim=-1)
-            masks[window] = mask.unsqueeze(1).to(device)
         # one row holding the whole batch in order: its queries are the packed tokens as they are
-        identity = num_rows == 1 and q_index == list(range(len(token_ids)))
-        attention = AttentionBatch(
+        identity = num_rows == 1 and q_index == list(range(flat_offsets[-1]))
+        return AttentionBatch(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             new_slots=torch.tensor(new_slots, dtype=torch.long, device=device),
             key_slots=key_slots.to(device),
-            masks=masks,
+            masks=self._window_masks(allowed, query_positions, key_positions),
             query_index=None if identity else torch.tensor(q_index, dtype=torch.long, device=device),
             output_index=None if identity else torch.tensor(o_index, dtype=torch.long, device=device),
             batch_size=num_rows,
             max_new=max_new,
         )
-        token_ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
-        logits_rows_t = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        return attention, token_ids_t, logits_rows_t
 
     @staticmethod
     def _base_mask(batch, starts, counts, max_new, max_keys, positions):
@@ -372,11 +371,7 @@ class NativeEngine:
         offset = 0
         for s, (item, start, n) in enumerate(zip(batch, starts, counts)):
             allowed[s, :n, :start] = True
-            if item.parents is None:
-                own = torch.ones(n, n, dtype=torch.bool).tril()
-            else:
-                own = torch.tensor(tree_ancestry(item.parents), dtype=torch.bool)
-            allowed[s, :n, start : start + n] = own
+            allowed[s, :n, start : start + n] = own_mask(item)
             allowed[s, n:, 0] = True
             key_positions[s, :start] = torch.arange(start)
             key_positions[s, start : start + n] = torch.tensor(positions[offset : offset + n])

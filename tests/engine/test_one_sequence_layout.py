@@ -105,14 +105,14 @@ def test_the_prefix_keys_are_read_once_per_group(engine, monkeypatch):
     prefix = random_ids(engine.vocab_size, 16, seed=9)
     root, members = fork_members(engine, prefix, 4)
     seen = {}
-    original = engine._grouped_attention_batch
+    original = engine._grouped_attention
 
     def spy(*args):
-        attention, *rest = original(*args)
+        attention = original(*args)
         seen["keys"] = attention.key_slots.shape
-        return (attention, *rest)
+        return attention
 
-    monkeypatch.setattr(engine, "_grouped_attention_batch", spy)
+    monkeypatch.setattr(engine, "_grouped_attention", spy)
     engine.forward([SeqInput(m, [5 + i, 6], [1], group=root) for i, m in enumerate(members)])
     assert seen["keys"] == (1, 16 + 4 * 2)  # one row: the prefix once, then four regions of 2 tokens
     for seq in [root, *members]:
