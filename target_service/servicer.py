@@ -315,13 +315,12 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.quotas.check_fork(n)
         if request.child_sampling and len(request.child_sampling) != n:
             raise ValueError("child_sampling must be empty or have one entry per child")
-        append: list[int] | list[list[int]] = token_ids_from_pb(request.append_token_ids, self.vocab_size, "append_token_ids")
-        if request.child_appends:
-            if append:
-                raise ValueError("set append_token_ids or child_appends, not both")
-            if len(request.child_appends) != n or not all(c.token_ids for c in request.child_appends):
-                raise ValueError(f"child_appends needs one non-empty entry per child ({n})")
-            append = [token_ids_from_pb(c.token_ids, self.vocab_size, "child_appends") for c in request.child_appends]
+        append = token_ids_from_pb(request.append_token_ids, self.vocab_size, "append_token_ids")
+        child_appends = None
+        if request.child_appends:  # checked whole by TargetVerifier.fork; the ids and count here, before admission
+            if len(request.child_appends) != n:
+                raise ValueError(f"child_appends needs one entry per child ({n}), got {len(request.child_appends)}")
+            child_appends = [token_ids_from_pb(c.token_ids, self.vocab_size, "child_appends") for c in request.child_appends]
         if request.layout not in common_pb2.BranchLayout.values():
             raise ValueError(f"unknown layout {request.layout}")
         one_sequence = request.layout == common_pb2.BRANCH_LAYOUT_ONE_SEQUENCE
@@ -330,16 +329,16 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             num_prefix = request.num_prefix_tokens or parent.target.num_tokens
             if num_prefix > parent.target.num_tokens:
                 raise ValueError(f"num_prefix_tokens {num_prefix} exceeds the parent's {parent.target.num_tokens} tokens")
-            if num_prefix < parent.target.num_tokens and not append:
-                raise ValueError("num_prefix_tokens shorter than the parent needs append_token_ids")
-            tails = [len(a) for a in append] if request.child_appends else [len(append)] * n
+            tails = [len(a) for a in child_appends] if child_appends is not None else [len(append)] * n
+            if num_prefix < parent.target.num_tokens and not all(tails):
+                raise ValueError("num_prefix_tokens shorter than the parent needs append_token_ids (or child_appends)")
             if num_prefix + max(tails) > self.engine.max_context:
                 raise ContextLengthError("append_token_ids do not fit in the context window")
             params = child_params or [parent.target.params] * n
             seeds = [p.seed if child_params else (parent.seed + 1 + i) % 2**63 for i, p in enumerate(params)]
             async with self.admission(n * num_prefix + sum(tails), num_sessions=n):
                 children = await self.engine_thread.run(self._fork, parent, append, params, seeds, num_prefix,
-                                                        one_sequence)
+                                                        one_sequence, child_appends)
                 child_ids: list[str] = []
                 try:
                     for child in children:
@@ -350,14 +349,15 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                     raise
         return verify_pb2.ForkResponse(child_session_ids=child_ids, next_token_ids=[c.target.pending_token_id for c in children])
 
-    def _fork(self, parent: VerifySession, append: list[int] | list[list[int]], params: list[SamplingParams],
-              seeds: list[int], num_prefix: int, one_sequence: bool = False) -> list[VerifySession]:
+    def _fork(self, parent: VerifySession, append: list[int], params: list[SamplingParams], seeds: list[int],
+              num_prefix: int, one_sequence: bool = False,
+              child_appends: list[list[int]] | None = None) -> list[VerifySession]:
         """Engine thread: children share the parent's KV blocks (its first `num_prefix` tokens); with
-        `append` (one list for all, or one per child), one forward over all children feeds [their
-        pending token, *append] and samples each child's next token. A child's rounds count from the
-        fork: everything before its pending token is its prompt."""
+        `append` (or each child its own `child_appends` entry), one forward over all children feeds
+        [their pending token, *append] and samples each child's next token. A child's rounds count from
+        the fork: everything before its pending token is its prompt."""
         generators = [make_generator(seed, self.engine.device)[0] for seed in seeds]
-        targets = self.verifier.fork(parent.target, params, generators, append, num_prefix, one_sequence)
+        targets = self.verifier.fork(parent.target, params, generators, append, num_prefix, one_sequence, child_appends)
         return [self._new_session(target, target.num_tokens - 1, seed, parent.encoder_input_ids)
                 for target, seed in zip(targets, seeds)]
 

@@ -209,9 +209,10 @@ class TargetVerifier:
         parent: TargetSession,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator],
-        append_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+        append_token_ids: Sequence[int] = (),
         num_prefix_tokens: int | None = None,
         one_sequence: bool = False,
+        child_appends: Sequence[Sequence[int]] | None = None,
     ) -> list[TargetSession]:
         """Child sessions sharing the parent's KV (copy-on-write), one per params/generator.
 
@@ -222,8 +223,8 @@ class TargetVerifier:
         (`rewind`) before the append, which is then required: e.g. a branch prompt that shares the
         skeleton session's first n tokens. The parent is unchanged either way.
 
-        `append_token_ids` may also be one list per child (each child its own tail, e.g. each branch
-        its own point prompt); the children's first tokens still come from one forward. When those
+        `child_appends` instead gives one non-empty list per child (each child its own tail, e.g. each
+        branch its own point prompt); the children's first tokens still come from one forward. When those
         tails begin with a common head of at least TRUNK_MIN_TOKENS tokens (the instruction every
         point prompt shares), the head is prefilled once, in a trunk sequence the children fork from,
         and each child's forward feeds only its own rest: 2 forwards, head + sum of the rests tokens,
@@ -233,13 +234,15 @@ class TargetVerifier:
         layouts), so their forwards (and the parent's) share one attention row; otherwise each is a
         sequence of its own ("batching"). Either layout gives each child the same tokens.
         """
-        if append_token_ids and not isinstance(append_token_ids[0], int):
-            appends = [[int(t) for t in tail] for tail in append_token_ids]  # type: ignore[union-attr]
+        if child_appends is not None:
+            if append_token_ids:
+                raise ValueError("set append_token_ids or child_appends, not both")
+            appends = [[int(t) for t in tail] for tail in child_appends]
             if len(appends) != len(params) or not all(appends):
-                raise ValueError(f"per-child appends need one non-empty list per child: {len(params)} children, "
+                raise ValueError(f"child_appends needs one non-empty list per child: {len(params)} children, "
                                  f"{sum(map(bool, appends))} of {len(appends)} lists non-empty")
         else:
-            appends = [[int(t) for t in append_token_ids]] * len(params)  # type: ignore[arg-type]
+            appends = [[int(t) for t in append_token_ids]] * len(params)
         num_prefix = parent.num_tokens if num_prefix_tokens is None else num_prefix_tokens
         if not 1 <= num_prefix <= parent.num_tokens:
             raise ValueError(f"num_prefix_tokens must be in [1, {parent.num_tokens}], got {num_prefix}")

@@ -134,8 +134,8 @@ def test_forked_branches_verify_exactly_in_either_layout(tiny_model_dir, one_seq
     expected = [generate(TargetVerifier(engine), None, prefix + a, greedy).token_ids for a in appends]
     forwards_before = engine.stats.num_forwards
     if one_fork:  # every child's own tail, their first tokens from one forward
-        children = verifier.fork(parent, [greedy] * 3, [torch.Generator() for _ in appends], appends, num_prefix_tokens=30,
-                                 one_sequence=one_sequence)
+        children = verifier.fork(parent, [greedy] * 3, [torch.Generator() for _ in appends], num_prefix_tokens=30,
+                                 one_sequence=one_sequence, child_appends=appends)
     else:
         children = [verifier.fork(parent, [greedy], [torch.Generator()], a, num_prefix_tokens=30, one_sequence=one_sequence)[0]
                     for a in appends]
@@ -190,8 +190,8 @@ def test_a_common_head_of_the_children_tails_is_prefilled_once(tiny_model_dir, o
     head = random_ids(engine.vocab_size, 12, seed=71)
     appends = [head + random_ids(engine.vocab_size, n, seed=72 + n) for n in (3, 1, 5)]
     before = (engine.stats.num_forwards, engine.stats.num_tokens_forwarded)
-    children = verifier.fork(parent, [greedy] * 3, [torch.Generator() for _ in appends], appends, num_prefix_tokens=21,
-                             one_sequence=one_sequence)
+    children = verifier.fork(parent, [greedy] * 3, [torch.Generator() for _ in appends], num_prefix_tokens=21,
+                             one_sequence=one_sequence, child_appends=appends)
     forwards, tokens = (a - b for a, b in zip((engine.stats.num_forwards, engine.stats.num_tokens_forwarded), before))
     assert forwards == 2 and tokens == 12 + (3 + 1 + 5)  # the head once, then each child its own rest
     for child, append in zip(children, appends):
