@@ -89,12 +89,10 @@ class SiblingCalls:
             await calls[0].send(calls)
         except (grpc.aio.AioRpcError, ValueError) as exc:
             for call in calls:
-                if not call.future.done():
-                    call.future.set_exception(exc)
+                _settle(call, exc)
         except BaseException as exc:  # cancelled, or a bug: every caller hears of it
             for call in calls:
-                if not call.future.done():
-                    call.future.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+                _settle(call, exc if isinstance(exc, Exception) else asyncio.CancelledError())
             raise
 
     async def _send_verify(self, calls: list[_Call]) -> None:
@@ -106,12 +104,7 @@ class SiblingCalls:
             self.num_batched_rounds += len(calls)
             results = await remote.verify_batch([call.args[1:] for call in calls])
         for call, result in zip(calls, results):
-            if call.future.done():
-                continue
-            if isinstance(result, BaseException):
-                call.future.set_exception(result)
-            else:
-                call.future.set_result(result)
+            _settle(call, result)
 
     async def _send_fork(self, calls: list[_Call]) -> None:
         remote, parent_id, num_prefix, _, _, layout, timeout_s = calls[0].args
@@ -127,3 +120,14 @@ class SiblingCalls:
                 await remote.close(child_id)
             else:
                 call.future.set_result((child_id, first))
+
+
+def _settle(call: _Call, result: Any) -> None:
+    """Hand a call its result, or raise `result` in it if it is an exception; a call already done
+    (its caller cancelled) is left alone."""
+    if call.future.done():
+        return
+    if isinstance(result, BaseException):
+        call.future.set_exception(result)
+    else:
+        call.future.set_result(result)

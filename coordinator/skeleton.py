@@ -169,10 +169,12 @@ class PlanVerifier(FailoverVerifier):
 class BranchVerifier(FailoverVerifier):
     """A branch's Verify session: `open` forks the skeleton session (sharing `num_shared` tokens, the
     rest of the prompt appended); without a skeleton session to fork, a plain open (a prefill).
-    Each round waits at `gate` for the siblings' (joined as `member` at launch; `leave` at the end)."""
+    Each round waits at `gate` for the siblings' (joined as `member` at launch; `leave` at the end);
+    its fork and its rounds go out through `siblings`, with those of the siblings in the same turn
+    (`coordinator.siblings`). `layout` is the request's BranchLayout."""
 
     def __init__(self, links: Links, parent: VerifyHandle | None, num_shared: int, gate: RoundGate, member: int,
-                 layout: int = common_pb2.BRANCH_LAYOUT_BATCHING, siblings: SiblingCalls | None = None):
+                 layout: int, siblings: SiblingCalls):
         super().__init__(links.verify, links.info, links.calls, links.failovers, sparse_q=links.sparse_q)
         self.parent = parent
         self.num_shared = num_shared
@@ -191,8 +193,6 @@ class BranchVerifier(FailoverVerifier):
         return await super().verify(handle, proposal)
 
     async def _send_verify(self, handle: VerifyHandle, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
-        if self.siblings is None:
-            return await super()._send_verify(handle, proposal)
         return await self.siblings.verify(handle.remote, handle.session_id, proposal)
 
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[VerifyHandle, int]:
@@ -207,9 +207,8 @@ class BranchVerifier(FailoverVerifier):
             self.prefilled = True
             return await super().open(prompt_ids, params)
         self._prompt, self._params = list(prompt_ids), params
-        siblings = self.siblings or SiblingCalls()
         try:  # siblings forking in the same turn share one Fork; a child whose caller is gone is closed
-            child_id, first = await siblings.fork(parent.remote, parent.session_id, self.num_shared,
+            child_id, first = await self.siblings.fork(parent.remote, parent.session_id, self.num_shared,
                                                   self._prompt[self.num_shared:], _token_level(params), self.layout,
                                                   self.calls.timeout_s)
         except grpc.aio.AioRpcError as exc:
