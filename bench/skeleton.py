@@ -35,7 +35,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
@@ -44,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from client.cluster import Cluster  # noqa: E402
+from client.health import metric_values  # noqa: E402
 from client.wire_loop import channel  # noqa: E402
 from specmesh.models.resolve import resolve_model_spec  # noqa: E402
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
@@ -107,10 +107,8 @@ def plain_request(messages: list[dict[str, str]], drafter: str, max_new_tokens: 
 
 def engine_counts(metrics_url: str) -> tuple[int, ...]:
     """(forwards, sequences forwarded, attention rows) of the Verify service's engine so far (its /metrics)."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    values = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith("specmesh_engine_"))
-    return tuple(int(float(values["specmesh_engine_" + name])) for name in ("forwards", "sequences_forwarded", "attention_rows"))
+    values = metric_values(metrics_url)
+    return tuple(int(values["specmesh_engine_" + name]) for name in ("forwards", "sequences_forwarded", "attention_rows"))
 
 
 async def counted(address: str, request: coordinator_pb2.GenerateRequest, metrics_url: str) -> dict:

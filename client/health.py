@@ -83,9 +83,9 @@ async def _info(channel, kind: str) -> dict[str, object]:
     return {}
 
 
-def scrape_metrics(url: str, kind: str = "") -> dict[str, object]:
-    """Load figures from a service's Prometheus page (blocking; a few ms on loopback). Acceptance is
-    counted where drafts are verified (a Draft service never learns it)."""
+def metric_values(url: str) -> dict[str, float]:
+    """A service's Prometheus page as {sample name: value} (blocking; a few ms on loopback): unlabelled
+    samples, and the per-position acceptance summed over positions."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
@@ -95,6 +95,13 @@ def scrape_metrics(url: str, kind: str = "") -> dict[str, object]:
         for sample in family.samples:
             if not sample.labels or sample.name.startswith("specmesh_accepted_per_position"):
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def scrape_metrics(url: str, kind: str = "") -> dict[str, object]:
+    """Load figures from a service's Prometheus page. Acceptance is counted where drafts are verified
+    (a Draft service never learns it)."""
+    values = metric_values(url)
     details: dict[str, object] = {"sessions": int(values.get("specmesh_sessions", 0)),
                                   "queue": int(values.get("specmesh_queue_depth", 0))}
     if values.get("specmesh_batch_size_count"):
