@@ -47,10 +47,10 @@ def reference(target):
     return target_only_greedy(target, PROMPT, MAX_NEW_TOKENS)
 
 
-def _start_raylets(attempts: int = 2):
+def _start_raylets(attempts: int = 3):
     """Head, edge and target raylets. Ray gives a raylet a fixed 30 s to register with its GCS; on a
-    loaded 2-core machine that start-up (not our code) can miss it, so a failed start is retried once
-    on fresh processes and ports."""
+    loaded 2-core machine that start-up (not our code) can miss it (a fresh-clone run missed it twice
+    in a row), so a failed start is retried on fresh processes and ports, up to `attempts` in all."""
     for attempt in range(attempts):
         nodes = RayTestCluster()
         try:
