@@ -22,7 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -90,6 +90,11 @@ class Calls:
 
     timeout_s: float
     metadata: Metadata = ()
+    deadline_at: float | None = None  # time.monotonic() at which the request's own deadline passes (None: it has none)
+
+    def remaining_s(self) -> float | None:
+        """What is left of the request's deadline: it bounds a whole stream of rounds."""
+        return None if self.deadline_at is None else max(0.001, self.deadline_at - time.monotonic())
 
 
 @dataclass
@@ -146,6 +151,26 @@ class FailoverVerifier:
             return k, await self._reopen(handle), None, 0.0
         handle.emitted.extend(outcome.token_ids)
         return num_drafted, outcome, finish, draft_ms
+
+    async def run(self, handle: VerifyHandle, *, draft: bool, k: int = 0
+                  ) -> AsyncIterator[tuple[int, VerifyOutcome, FinishReason | None, float]]:
+        """Server-driven rounds (`AsyncRunner`). If the replica fails mid-stream, the session is
+        re-opened elsewhere as in `verify` (its first token ends the round in flight) and the rounds
+        go on there."""
+        while True:
+            rounds = handle.remote.run(handle.session_id, draft=draft, k=k, deadline_s=self.calls.remaining_s())
+            try:
+                async for num_drafted, outcome, finish, draft_ms in rounds:
+                    handle.emitted.extend(outcome.token_ids)
+                    yield num_drafted, outcome, finish, draft_ms
+                return
+            except grpc.aio.AioRpcError as exc:
+                if not replica_failed(exc):
+                    raise
+                reopened = await self._reopen(handle)
+            finally:
+                await rounds.aclose()
+            yield 0, reopened, None, 0.0
 
     async def commit(self, handle: VerifyHandle, token_ids: Sequence[int]) -> None:
         """A lossy cascade's unverified chunk: sent with the next Verify (a re-open includes it)."""

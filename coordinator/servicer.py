@@ -11,6 +11,7 @@ a plan, then branches forked from it, streamed side by side. The Coordinator aut
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, Sequence
 
 import grpc
@@ -102,7 +103,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         remaining = context.time_remaining() if context is not None else None
         timeout_s = self.options.call_timeout_s if remaining is None else max(0.001, min(self.options.call_timeout_s, remaining))
         principal = current_principal()
-        return Calls(timeout_s, [(END_USER_KEY, principal)] if principal != ANONYMOUS else [])
+        return Calls(timeout_s, [(END_USER_KEY, principal)] if principal != ANONYMOUS else [],
+                     deadline_at=None if remaining is None else time.monotonic() + remaining)
 
     @rpc_method
     async def Generate(self, request: coordinator_pb2.GenerateRequest, context):
@@ -160,7 +162,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise ValueError(f"a cascade runs in speculative mode, not {mode}")
         k_policy = FixedK(request.num_draft_tokens) if request.num_draft_tokens and mode != "autoregressive" else None
         stream = speculative_stream_async(verifier, outer, prompt_ids, params, k_policy=k_policy, decode=self._decode,
-                                          fused=mode == "fused")
+                                          fused=mode == "fused",
+                                          server_rounds=self.options.server_rounds and (mode == "fused" or outer is None))
         try:
             async for event in stream:
                 response = coordinator_pb2.GenerateResponse(text=event.text, token_ids=event.token_ids, branch_id=-1)

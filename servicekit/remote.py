@@ -15,8 +15,9 @@ For an encoder-decoder model (T5, BART, ...) an adapter is made per request with
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -148,6 +149,34 @@ class RemoteVerifier:
         drafted = DraftProposal(token_ids=[0] * response.num_draft_tokens)  # a chain of that length, for the outcome
         return (response.num_draft_tokens, outcome_from_pb(response.result, drafted),
                 FINISH_FROM_PB[response.result.finish_reason], response.draft_ms)
+
+    async def run(self, session_id: str, *, draft: bool, k: int = 0, deadline_s: float | None = None
+                  ) -> AsyncIterator[tuple[int, VerifyOutcome, FinishReason | None, float]]:
+        """Server-driven rounds (the Run RPC): per round as it lands, (k drafted, outcome, finish,
+        draft ms). `deadline_s` bounds the whole stream (None: the request's own has none); each
+        round must land within this verifier's per-call timeout, else DEADLINE_EXCEEDED, as a
+        unary round's would. Leaving the loop early cancels the call, which closes the session."""
+        request = verify_pb2.RunRequest(session_id=session_id, draft=draft, num_draft_tokens=k,
+                                        round_index=self._rounds.get(session_id, 0))
+        call = self.stub.Run(request, timeout=deadline_s, metadata=self.metadata)
+        self.counters.add(request)
+        try:
+            while True:
+                try:
+                    response = await asyncio.wait_for(call.read(), self.timeout_s)
+                except TimeoutError:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               f"no round of session {session_id} within {self.timeout_s} s") from None
+                if response is grpc.aio.EOF:
+                    return
+                self._rounds[session_id] = response.result.round_index + 1
+                self.counters.add(response)
+                self.counters.end_round()
+                drafted = DraftProposal(token_ids=[0] * response.num_draft_tokens)  # a chain of that length, for the outcome
+                yield (response.num_draft_tokens, outcome_from_pb(response.result, drafted),
+                       FINISH_FROM_PB[response.result.finish_reason], response.draft_ms)
+        finally:
+            call.cancel()  # no-op once the stream has ended
 
     async def close(self, session_id: str) -> None:
         self._rounds.pop(session_id, None)

@@ -21,6 +21,7 @@ from servicekit.engine_thread import EngineThread, run_aside
 from servicekit.errors import FailedPrecondition, Unimplemented, message_for, rpc_method, status_for
 from servicekit.metrics import ServiceMetrics
 from servicekit.session_service import STATE_PRESERVING_ERRORS, SessionService
+from servicekit.streams import read_ahead
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.speculative import speculative_stream
@@ -37,6 +38,7 @@ from target_service.options import VerifyOptions
 from target_service.sessions import FusedDraft, VerifySession
 
 log = logging.getLogger("specmesh.verify")
+RUN_AHEAD_ROUNDS = 4  # rounds a Run stream may finish before the caller reads them
 
 
 class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
@@ -277,34 +279,68 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     @rpc_method
     async def Step(self, request: verify_pb2.StepRequest, context) -> verify_pb2.StepResponse:
         """One round of the session's speculation state with the hosted drafter."""
-        if self.fused_drafter is None:
-            raise Unimplemented("this Verify service hosts no fused drafter (--fused-drafter)")
-        if request.num_draft_tokens > self.options.max_draft_tokens:
-            raise ValueError(f"{request.num_draft_tokens} draft tokens exceed this service's limit of {self.options.max_draft_tokens}")
+        self._check_fused_k(request.num_draft_tokens)
         async with self.session_call(request.session_id) as session:
             replay = session.rounds.replay(request)
             if replay is not None:
                 return replay
             self._check_open(session)
-            if session.fused is None:
-                prompt = session.target.token_ids[: session.round.num_prompt_tokens]
-                state = await self.engine_thread.run(self._open_fused, prompt, session.encoder_input_ids)
-                session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), self.fused_drafter.device)[0])
-            k = session.round.next_k(request.num_draft_tokens or None)
-            self.check_kv_quota(1 + k)  # before the drafter's state moves
-            start = time.perf_counter()
-            propose_args = (session.fused.state, session.round.take_draft_input(), k, session.target.params,
-                            session.fused.generator)
-            if getattr(self.fused_drafter, "uses_engine", True):
-                proposal = await self.engine_thread.run(self.fused_drafter.propose, *propose_args)
-            else:  # an n-gram lookup takes microseconds: a hop to the engine thread and back costs more
-                proposal = self.fused_drafter.propose(*propose_args)
-            draft_ms = (time.perf_counter() - start) * 1e3
-            prepared = self._prepare(session, proposal, deterministic=True)  # q travels with the proposal when sampled
-            result = await self._apply(request.session_id, session, *prepared, draft_ms=draft_ms)
-            response = verify_pb2.StepResponse(result=result, num_draft_tokens=proposal.num_tokens, draft_ms=draft_ms)
+            response = await self._fused_round(request.session_id, session, request.num_draft_tokens)
             session.rounds.remember(request, response)
         return response
+
+    @rpc_method
+    async def Run(self, request: verify_pb2.RunRequest, context):
+        """The session's rounds, stepped here one after the other and streamed (the proto says how)."""
+        if request.draft:
+            self._check_fused_k(request.num_draft_tokens)
+        elif request.num_draft_tokens:
+            raise ValueError("num_draft_tokens needs draft (target-only rounds draft nothing)")
+        async with self.session_call(request.session_id) as session:
+            if request.HasField("round_index") and request.round_index != session.rounds.rounds_done:
+                raise FailedPrecondition(f"round_index {request.round_index} does not match the session, which has "
+                                         f"completed {session.rounds.rounds_done} rounds")
+            self._check_open(session)
+
+            async def rounds():
+                while session.round.finish_reason is None:
+                    if request.draft:
+                        response = await self._fused_round(request.session_id, session, request.num_draft_tokens)
+                    else:
+                        prepared = self._prepare(session, DraftProposal(token_ids=[]), deterministic=True)
+                        response = verify_pb2.StepResponse(result=await self._apply(request.session_id, session, *prepared))
+                    session.rounds.remember(request, response)
+                    yield response
+
+            # the next round is submitted before this one is written to the caller
+            async for response in read_ahead(rounds(), RUN_AHEAD_ROUNDS):
+                yield response
+
+    def _check_fused_k(self, k: int) -> None:
+        if self.fused_drafter is None:
+            raise Unimplemented("this Verify service hosts no fused drafter (--fused-drafter)")
+        if k > self.options.max_draft_tokens:
+            raise ValueError(f"{k} draft tokens exceed this service's limit of {self.options.max_draft_tokens}")
+
+    async def _fused_round(self, session_id: str, session: VerifySession, requested_k: int) -> verify_pb2.StepResponse:
+        """Draft with the hosted drafter (k: `requested_k`, or the session's policy when 0), then verify."""
+        if session.fused is None:
+            prompt = session.target.token_ids[: session.round.num_prompt_tokens]
+            state = await self.engine_thread.run(self._open_fused, prompt, session.encoder_input_ids)
+            session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), self.fused_drafter.device)[0])
+        k = session.round.next_k(requested_k or None)
+        self.check_kv_quota(1 + k)  # before the drafter's state moves
+        start = time.perf_counter()
+        propose_args = (session.fused.state, session.round.take_draft_input(), k, session.target.params,
+                        session.fused.generator)
+        if getattr(self.fused_drafter, "uses_engine", True):
+            proposal = await self.engine_thread.run(self.fused_drafter.propose, *propose_args)
+        else:  # an n-gram lookup takes microseconds: a hop to the engine thread and back costs more
+            proposal = self.fused_drafter.propose(*propose_args)
+        draft_ms = (time.perf_counter() - start) * 1e3
+        prepared = self._prepare(session, proposal, deterministic=True)  # q travels with the proposal when sampled
+        result = await self._apply(session_id, session, *prepared, draft_ms=draft_ms)
+        return verify_pb2.StepResponse(result=result, num_draft_tokens=proposal.num_tokens, draft_ms=draft_ms)
 
     @rpc_method
     async def Fork(self, request: verify_pb2.ForkRequest, context) -> verify_pb2.ForkResponse:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from specmesh.decoding.adaptive import KPolicy
+from specmesh.decoding.adaptive import FixedK, KPolicy
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import FinishReason, SpeculationState, StepEvent
@@ -63,6 +63,16 @@ class AsyncStepper(AsyncVerifier, Protocol):
         ...
 
 
+class AsyncRunner(AsyncVerifier, Protocol):
+    """A verifier that can step a session's rounds itself and stream them (server-driven rounds)."""
+
+    def run(self, session: Any, *, draft: bool, k: int = 0
+            ) -> AsyncIterator[tuple[int, VerifyOutcome, FinishReason | None, float]]:
+        """Rounds until the session finishes, each as it lands: (tokens drafted, outcome, finish
+        verdict, draft ms); `draft`: with the verifier's own drafter (k fixed, or 0 for its policy's)."""
+        ...
+
+
 class AsyncDrafter(Protocol):
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> Any: ...
 
@@ -80,11 +90,18 @@ async def speculative_stream_async(
     k_policy: KPolicy | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
     fused: bool = False,
+    server_rounds: bool = False,
 ) -> AsyncIterator[StepEvent]:
     """Speculative decoding with remote parts (plain decoding on the verifier when `drafter` is None).
-    `fused`: the verifier is an `AsyncStepper` that drafts itself; `drafter` must be None."""
+    `fused`: the verifier is an `AsyncStepper` that drafts itself; `drafter` must be None.
+    `server_rounds` (no drafter here): the verifier is an `AsyncRunner` that steps the rounds itself
+    and streams them, so no round waits for a round trip to this driver; the state folds them in as
+    they land and stops the stream at its own finish (a stop string). k is then the verifier's
+    policy's, unless `k_policy` is a `FixedK`."""
     if fused and drafter is not None:
         raise ValueError("fused mode drafts on the verifier: pass no drafter")
+    if server_rounds and drafter is not None:
+        raise ValueError("server-driven rounds draft on the verifier, or not at all: pass no drafter")
     info = await verifier.info()
     seed = make_generator(params.seed)[1]
     params = dataclasses.replace(params, seed=seed)
@@ -100,6 +117,24 @@ async def speculative_stream_async(
         yield state.start(first_token_id, (time.perf_counter() - start) * 1e3)
         if drafter is not None and not state.finished:
             draft_state = await drafter.open(prompt_ids, params)
+        if server_rounds and not state.finished:
+            fixed_k = k_policy.k if isinstance(k_policy, FixedK) else 0
+            rounds = verifier.run(session, draft=fused, k=fixed_k)  # type: ignore[attr-defined]
+            try:
+                start = time.perf_counter()
+                async for num_drafted, outcome, their_finish, draft_ms in rounds:
+                    now = time.perf_counter()  # a round's verify time: since the last one landed, less its drafting
+                    event = state.record(num_drafted, outcome.num_accepted, outcome.token_ids, draft_ms,
+                                         (now - start) * 1e3 - draft_ms, outcome.cost)
+                    start = now
+                    _check_agreement(state, their_finish)
+                    yield event
+                    if state.finished:
+                        break
+            finally:
+                await rounds.aclose()
+            if not state.finished:
+                raise RuntimeError("the verifier's rounds ended before the session finished")
         while not state.finished:
             k = state.next_k()
             if fused and k:

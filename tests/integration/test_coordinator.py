@@ -67,7 +67,7 @@ async def _collect(address: str, request) -> tuple[list[int], coordinator_pb2.Ge
 class Cluster:
     """Verify replicas, a Draft service and a Coordinator over them, started in the test's loop thread."""
 
-    def __init__(self, target: str, num_verify: int = 1):
+    def __init__(self, target: str, num_verify: int = 1, **coordinator_options):
         self.services = BackgroundServices()
         common = dict(model=target, dtype="float64", port=0)
         self.verify = [self.services.start(create_verify(VerifyOptions(**common, batch_window_ms=5.0, max_kv_tokens=16384)))
@@ -76,7 +76,7 @@ class Cluster:
         self.coordinator = self.services.start(create_coordinator(CoordinatorOptions(
             model=target, port=0, health_interval_s=0.2,
             verify_addresses=",".join(f"127.0.0.1:{h.port}" for h in self.verify),
-            draft_addresses=f"127.0.0.1:{self.draft.port}")))
+            draft_addresses=f"127.0.0.1:{self.draft.port}", **coordinator_options)))
         self.address = f"127.0.0.1:{self.coordinator.port}"
 
     def stop(self, handle) -> None:
@@ -112,6 +112,20 @@ def test_greedy_through_the_coordinator_equals_target_only(cluster, target, toke
         "service", "draft-service")
 
 
+def test_rounds_driven_by_the_coordinator_give_the_same_tokens(target, tokenizer):
+    """server_rounds off: fused and target-only rounds are one Step / Verify call each, as before Run."""
+    params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=40)
+    reference = _reference(target, tokenizer, PROMPT, params)
+    with Cluster(target, server_rounds=False) as c:
+        for mode in ("fused", "autoregressive"):
+            tokens, last = _run(_collect(c.address, _request(PROMPT, mode)))
+            assert tokens == reference, mode
+            if mode == "autoregressive":
+                assert last.stats.num_target_forwards == len(tokens) and last.stats.num_draft_tokens == 0
+            else:
+                assert last.stats.num_draft_tokens > 0
+
+
 def test_seeded_sampling_equals_the_in_process_run(cluster, target, tokenizer):
     params = SamplingParams(temperature=1.2, seed=7, ignore_eos=True, max_new_tokens=30)
     tokens, _ = _run(_collect(cluster.address, _request(PROMPT, "speculative", "ngram", 3, temperature=1.2, seed=7,
@@ -121,10 +135,12 @@ def test_seeded_sampling_equals_the_in_process_run(cluster, target, tokenizer):
     assert tokens == _reference(target, tokenizer, PROMPT, params, PromptLookupDrafter(min_n=1, max_n=4))
 
 
-def test_text_and_chat_and_stop_strings(cluster, tokenizer):
+@pytest.mark.parametrize("mode", ["", "autoregressive", "fused"])
+def test_text_and_chat_and_stop_strings(cluster, tokenizer, mode):
+    """The default mode, and the streamed rounds of Run, which a stop string ends early."""
     request = coordinator_pb2.GenerateRequest(
         chat=coordinator_pb2.ChatMessages(messages=[coordinator_pb2.ChatMessage(role="user", content="Name a capital.")]),
-        sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))
+        sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True), mode=MODES.get(mode, 0))
 
     async def main():
         async with channel(cluster.address) as ch:
@@ -203,9 +219,14 @@ def test_a_dead_draft_service_falls_back_and_the_output_stays_exact(target, toke
         assert again == tokens and last.stats.drafter == "ngram"
 
 
-def test_a_dead_verify_replica_moves_the_stream_with_no_token_lost(target, tokenizer):
+MOVE_TOKENS = 200
+
+
+@pytest.mark.parametrize("mode,drafter,k", [("speculative", "ngram", 3), ("autoregressive", "", 0), ("fused", "", 0)])
+def test_a_dead_verify_replica_moves_the_stream_with_no_token_lost(target, tokenizer, mode, drafter, k):
+    """Per-round Verify calls, and the streamed rounds of Run (autoregressive and fused modes)."""
     with Cluster(target, num_verify=2) as c:
-        request = _request(PROMPT, "speculative", "ngram", 3, max_new_tokens=60)
+        request = _request(PROMPT, mode, drafter, k, max_new_tokens=MOVE_TOKENS)  # long enough to be mid-stream at the kill
         used: list = []
 
         def kill_the_busy_one() -> None:
@@ -214,7 +235,7 @@ def test_a_dead_verify_replica_moves_the_stream_with_no_token_lost(target, token
             c.stop(busy)
 
         tokens, last = _stream_with_failure(c, request, kill_the_busy_one)
-        assert tokens == _reference(target, tokenizer, PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=60))
+        assert tokens == _reference(target, tokenizer, PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=MOVE_TOKENS))
         assert last.stats.num_failovers == 1 and last.stats.failovers[0].startswith("verify ")
         # the last one down: UNAVAILABLE, within the deadline
         c.stop(next(h for h in c.verify if h is not used[0]))

@@ -306,3 +306,51 @@ def test_step_generate_and_fork(cluster, models):
         assert appended.next_token_ids[0] == after_that  # a forced append == decoding the same token
         for session_id in (opened.session_id, child, *forked.child_session_ids):
             assert stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id)).existed
+
+
+def test_run_streams_the_sessions_rounds_and_a_cancel_frees_it(cluster, models):
+    """Server-driven rounds: target-only, fused with the session's adaptive k, and fused with a fixed
+    k each stream exactly the target-only tokens, round by round, ending at the finish; bad requests
+    get clear codes; cancelling the stream closes the session and frees its KV blocks."""
+    prompt, params = PROMPTS[0], SamplingParams(**GREEDY)
+    plain = generate(TargetVerifier(load_engine(models["target"], dtype="float64")), None, prompt, params).token_ids
+    handle, address = cluster["verify"]
+    engine = handle.servicer.engine
+    free_before = engine.num_free_blocks
+    with grpc.insecure_channel(address) as ch:
+        stub = verify_pb2_grpc.VerifyServiceStub(ch)
+
+        def open_session() -> tuple[str, int]:
+            opened = stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(
+                temperature=0, max_new_tokens=40, ignore_eos=True)))
+            return opened.session_id, opened.first_token_id
+
+        for draft, k in ((False, 0), (True, 0), (True, 3)):
+            session_id, first = open_session()
+            responses = list(stub.Run(verify_pb2.RunRequest(session_id=session_id, draft=draft, num_draft_tokens=k), timeout=TIMEOUT_S))
+            tokens = [first] + [t for r in responses for t in r.result.accepted_token_ids]
+            assert tokens == plain, (draft, k)
+            assert [r.result.round_index for r in responses] == list(range(len(responses)))
+            assert responses[-1].result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert all(r.result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+            if not draft:
+                assert all(r.num_draft_tokens == 0 for r in responses) and len(responses) == len(plain) - 1
+            else:
+                assert sum(r.num_draft_tokens for r in responses) > 0
+                assert k == 0 or max(r.num_draft_tokens for r in responses) <= k
+            # the session has finished: no more rounds, by Run or Step
+            again = verify_pb2.RunRequest(session_id=session_id)
+            assert _code(lambda: list(stub.Run(again))) == grpc.StatusCode.FAILED_PRECONDITION  # noqa: B023
+            assert stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id)).existed
+
+        session_id, _ = open_session()
+        assert _code(lambda: list(stub.Run(verify_pb2.RunRequest(session_id=session_id, num_draft_tokens=2)))) == \
+            grpc.StatusCode.INVALID_ARGUMENT  # a k without drafting
+        assert _code(lambda: list(stub.Run(verify_pb2.RunRequest(session_id=session_id, round_index=3)))) == \
+            grpc.StatusCode.FAILED_PRECONDITION  # the session has done 0 rounds
+        assert _code(lambda: list(stub.Run(verify_pb2.RunRequest(session_id="0" * 32)))) == grpc.StatusCode.NOT_FOUND
+        stream = stub.Run(verify_pb2.RunRequest(session_id=session_id, round_index=0))
+        next(stream)
+        stream.cancel()
+        assert _wait_for(lambda: engine.num_free_blocks == free_before, 5.0)
+        assert _code(lambda: stub.Verify(verify_pb2.VerifyRequest(session_id=session_id))) == grpc.StatusCode.NOT_FOUND

@@ -350,6 +350,39 @@ class StepRequest(_message.Message):
 Global___StepRequest: _TypeAlias = StepRequest  # noqa: Y015
 
 @_typing.final
+class RunRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    DRAFT_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    ROUND_INDEX_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    draft: _builtins.bool
+    """draft with the hosted drafter (fused); false: target-only rounds"""
+    num_draft_tokens: _builtins.int
+    """with draft: a fixed k; 0 = the session's adaptive k"""
+    round_index: _builtins.int
+    """the session's completed rounds, as in VerifyRequest (checked, not replayed)"""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        draft: _builtins.bool = ...,
+        num_draft_tokens: _builtins.int = ...,
+        round_index: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "round_index", b"round_index"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "draft", b"draft", "num_draft_tokens", b"num_draft_tokens", "round_index", b"round_index", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__round_index: _TypeAlias = _typing.Literal["round_index"]  # noqa: Y015
+    _WhichOneofArgType__round_index: _TypeAlias = _typing.Literal["_round_index", b"_round_index"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__round_index) -> _WhichOneofReturnType__round_index | None: ...
+
+Global___RunRequest: _TypeAlias = RunRequest  # noqa: Y015
+
+@_typing.final
 class StepResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -63,6 +63,11 @@ class VerifyServiceStub:
                 request_serializer=specmesh_dot_v1_dot_verify__pb2.StepRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verify__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.Run = channel.unary_stream(
+                '/specmesh.v1.VerifyService/Run',
+                request_serializer=specmesh_dot_v1_dot_verify__pb2.RunRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verify__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.Fork = channel.unary_unary(
                 '/specmesh.v1.VerifyService/Fork',
                 request_serializer=specmesh_dot_v1_dot_verify__pb2.ForkRequest.SerializeToString,
@@ -128,6 +133,19 @@ class VerifyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Run(self, request, context):
+        """Server-driven rounds: the service steps the session's rounds itself, one after the other (target
+        only, or drafting with its hosted drafter), and streams each round's StepResponse as it lands, so
+        no round waits for a round trip to the caller. The rounds are the Step / Verify rounds the caller
+        would have sent (batched with other sessions' calls the same way), with the session's own k
+        policy unless the request fixes k. The stream ends when the session finishes; the caller may
+        cancel it at any round (e.g. a stop string it decodes), which closes the session, as any call
+        cancelled while it holds a session does. The session takes no other call while its Run lasts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Fork(self, request, context):
         """Child sessions sharing a parent's KV prefix (copy-on-write), for Skeleton-of-Thought and beams.
         """
@@ -177,6 +195,11 @@ def add_VerifyServiceServicer_to_server(servicer, server):
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
                     request_deserializer=specmesh_dot_v1_dot_verify__pb2.StepRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verify__pb2.StepResponse.SerializeToString,
+            ),
+            'Run': grpc.unary_stream_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=specmesh_dot_v1_dot_verify__pb2.RunRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verify__pb2.StepResponse.SerializeToString,
             ),
             'Fork': grpc.unary_unary_rpc_method_handler(
@@ -316,6 +339,33 @@ class VerifyService:
             target,
             '/specmesh.v1.VerifyService/Step',
             specmesh_dot_v1_dot_verify__pb2.StepRequest.SerializeToString,
+            specmesh_dot_v1_dot_verify__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Run(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specmesh.v1.VerifyService/Run',
+            specmesh_dot_v1_dot_verify__pb2.RunRequest.SerializeToString,
             specmesh_dot_v1_dot_verify__pb2.StepResponse.FromString,
             options,
             channel_credentials,

@@ -54,6 +54,15 @@ class VerifyServiceStub:
     """
     Step: _grpc.UnaryUnaryMultiCallable[_verify_pb2.StepRequest, _verify_pb2.StepResponse]
     """Fused mode: the service drafts with its in-process drafter, then verifies, in one RPC."""
+    Run: _grpc.UnaryStreamMultiCallable[_verify_pb2.RunRequest, _verify_pb2.StepResponse]
+    """Server-driven rounds: the service steps the session's rounds itself, one after the other (target
+    only, or drafting with its hosted drafter), and streams each round's StepResponse as it lands, so
+    no round waits for a round trip to the caller. The rounds are the Step / Verify rounds the caller
+    would have sent (batched with other sessions' calls the same way), with the session's own k
+    policy unless the request fixes k. The stream ends when the session finishes; the caller may
+    cancel it at any round (e.g. a stop string it decodes), which closes the session, as any call
+    cancelled while it holds a session does. The session takes no other call while its Run lasts.
+    """
     Fork: _grpc.UnaryUnaryMultiCallable[_verify_pb2.ForkRequest, _verify_pb2.ForkResponse]
     """Child sessions sharing a parent's KV prefix (copy-on-write), for Skeleton-of-Thought and beams."""
     CloseSession: _grpc.UnaryUnaryMultiCallable[_verify_pb2.VerifyCloseSessionRequest, _verify_pb2.VerifyCloseSessionResponse]
@@ -89,6 +98,15 @@ class VerifyServiceAsyncStub(VerifyServiceStub):
     """
     Step: _aio.UnaryUnaryMultiCallable[_verify_pb2.StepRequest, _verify_pb2.StepResponse]  # type: ignore[assignment]
     """Fused mode: the service drafts with its in-process drafter, then verifies, in one RPC."""
+    Run: _aio.UnaryStreamMultiCallable[_verify_pb2.RunRequest, _verify_pb2.StepResponse]  # type: ignore[assignment]
+    """Server-driven rounds: the service steps the session's rounds itself, one after the other (target
+    only, or drafting with its hosted drafter), and streams each round's StepResponse as it lands, so
+    no round waits for a round trip to the caller. The rounds are the Step / Verify rounds the caller
+    would have sent (batched with other sessions' calls the same way), with the session's own k
+    policy unless the request fixes k. The stream ends when the session finishes; the caller may
+    cancel it at any round (e.g. a stop string it decodes), which closes the session, as any call
+    cancelled while it holds a session does. The session takes no other call while its Run lasts.
+    """
     Fork: _aio.UnaryUnaryMultiCallable[_verify_pb2.ForkRequest, _verify_pb2.ForkResponse]  # type: ignore[assignment]
     """Child sessions sharing a parent's KV prefix (copy-on-write), for Skeleton-of-Thought and beams."""
     CloseSession: _aio.UnaryUnaryMultiCallable[_verify_pb2.VerifyCloseSessionRequest, _verify_pb2.VerifyCloseSessionResponse]  # type: ignore[assignment]
@@ -145,6 +163,21 @@ class VerifyServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_verify_pb2.StepResponse, _abc.Awaitable[_verify_pb2.StepResponse]]:
         """Fused mode: the service drafts with its in-process drafter, then verifies, in one RPC."""
+
+    @_abc_1.abstractmethod
+    def Run(
+        self,
+        request: _verify_pb2.RunRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_verify_pb2.StepResponse], _abc.AsyncIterator[_verify_pb2.StepResponse]]:
+        """Server-driven rounds: the service steps the session's rounds itself, one after the other (target
+        only, or drafting with its hosted drafter), and streams each round's StepResponse as it lands, so
+        no round waits for a round trip to the caller. The rounds are the Step / Verify rounds the caller
+        would have sent (batched with other sessions' calls the same way), with the session's own k
+        policy unless the request fixes k. The stream ends when the session finishes; the caller may
+        cancel it at any round (e.g. a stop string it decodes), which closes the session, as any call
+        cancelled while it holds a session does. The session takes no other call while its Run lasts.
+        """
 
     @_abc_1.abstractmethod
     def Fork(
