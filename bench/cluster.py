@@ -3,8 +3,9 @@
 1. Overhead, one session (greedy, default model, CPU): wall time per token through the cluster
    (three processes on loopback, started as `make run-cluster` starts them) over the in-process run
    of the same algorithm, for target-only decoding, n-gram drafts (drafted in the coordinator, or
-   fused on the Verify service) and a bf16 self-draft (the Draft service); with the per-round
-   draft / verify time each side measured, so the RPC cost per round shows.
+   fused on the Verify service) and a bf16 self-draft (the Draft service; adaptive k, and k = 4 so
+   both sides run the same rounds); with the per-round draft / verify time each side measured, so
+   the RPC cost per round shows.
 2. Aggregate tokens/s at 1, 4 and 16 concurrent clients through the coordinator, speculative
    (n-gram) and autoregressive: each client asks the prompts one after the other (the same work in
    both modes); the two modes alternate, AGGREGATE_REPEATS times, and the medians are compared.
@@ -34,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from client.cluster import Cluster  # noqa: E402
 from client.wire_loop import channel  # noqa: E402
-from specmesh.decoding.adaptive import AdaptiveK  # noqa: E402
+from specmesh.decoding.adaptive import AdaptiveK, FixedK  # noqa: E402
 from specmesh.decoding.sampling import SamplingParams  # noqa: E402
 from specmesh.decoding.speculative import generate  # noqa: E402
 from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
@@ -57,11 +58,14 @@ PROMPTS = [
 CONCURRENCY = (1, 4, 16)
 CONCURRENT_NEW_TOKENS = 32
 AGGREGATE_REPEATS = 3
-ALGORITHMS = {  # name: (in-process drafter kind, coordinator mode, coordinator drafter)
-    "target only": ("none", coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE, ""),
-    "n-gram, drafted in the coordinator": ("ngram", coordinator_pb2.GENERATION_MODE_SPECULATIVE, "ngram"),
-    "n-gram, fused on the Verify service": ("ngram", coordinator_pb2.GENERATION_MODE_FUSED, ""),
-    "bf16 self-draft, Draft service": ("bf16", coordinator_pb2.GENERATION_MODE_SPECULATIVE, "service"),
+ALGORITHMS = {  # name: (in-process drafter kind, coordinator mode, coordinator drafter, fixed k or 0 for adaptive k)
+    "target only": ("none", coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE, "", 0),
+    "n-gram, drafted in the coordinator": ("ngram", coordinator_pb2.GENERATION_MODE_SPECULATIVE, "ngram", 0),
+    "n-gram, fused on the Verify service": ("ngram", coordinator_pb2.GENERATION_MODE_FUSED, "", 0),
+    "bf16 self-draft, Draft service": ("bf16", coordinator_pb2.GENERATION_MODE_SPECULATIVE, "service", 0),
+    # adaptive k picks from the costs each side measures (an RPC's included), so the rounds differ;
+    # a fixed k makes both sides run the same rounds, and the ratio is the wire's cost alone
+    "bf16 self-draft, Draft service, k = 4": ("bf16", coordinator_pb2.GENERATION_MODE_SPECULATIVE, "service", 4),
 }
 
 
@@ -74,10 +78,11 @@ def cluster_config(folder: str) -> dict:
     }}
 
 
-async def through_cluster(address: str, prompt: str, mode: int, drafter: str, max_new_tokens: int) -> dict:
+async def through_cluster(address: str, prompt: str, mode: int, drafter: str, max_new_tokens: int, k: int = 0) -> dict:
     request = coordinator_pb2.GenerateRequest(
         chat=coordinator_pb2.ChatMessages(messages=[coordinator_pb2.ChatMessage(role="user", content=prompt)]),
-        mode=mode, drafter=drafter, sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
+        mode=mode, drafter=drafter, num_draft_tokens=k,
+        sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
     async with channel(address) as ch:
         start = time.perf_counter()
         tokens, stats = [], None
@@ -93,10 +98,11 @@ async def through_cluster(address: str, prompt: str, mode: int, drafter: str, ma
             "draft_ms_per_round": stats.draft_ms / rounds, "verify_ms_per_round": stats.verify_ms / rounds}
 
 
-def in_process(verifier: TargetVerifier, drafter, ids: list[int]) -> dict:
+def in_process(verifier: TargetVerifier, drafter, ids: list[int], k: int = 0) -> dict:
     params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS)
     start = time.perf_counter()
-    result = generate(verifier, drafter, ids, params, k_policy=AdaptiveK() if drafter is not None else None)
+    k_policy = None if drafter is None else FixedK(k) if k else AdaptiveK()
+    result = generate(verifier, drafter, ids, params, k_policy=k_policy)
     wall = time.perf_counter() - start
     rounds = max(1, result.stats.num_target_forwards - 1)
     return {"tokens": result.token_ids, "wall_s": wall, "rounds": rounds,
@@ -109,14 +115,14 @@ def overhead(address: str, folder: str, tokenizer) -> list[dict]:
     bf16 = load_engine(folder, dtype="bfloat16")
     drafters = {"none": lambda: None, "ngram": lambda: PromptLookupDrafter(min_n=1, max_n=4), "bf16": lambda: ModelDrafter(bf16)}
     rows = []
-    for name, (kind, mode, drafter) in ALGORITHMS.items():
+    for name, (kind, mode, drafter, k) in ALGORITHMS.items():
         local, remote, exact = [], [], True
-        asyncio.run(through_cluster(address, PROMPTS[0], mode, drafter, 8))  # warm-up (kernels, caches)
+        asyncio.run(through_cluster(address, PROMPTS[0], mode, drafter, 8, k))  # warm-up (kernels, caches)
         for _ in range(REPEATS):
             for prompt in PROMPTS:
                 ids = chat_prompt_ids(tokenizer, prompt)
-                a = in_process(verifier, drafters[kind](), ids)
-                b = asyncio.run(through_cluster(address, prompt, mode, drafter, MAX_NEW_TOKENS))
+                a = in_process(verifier, drafters[kind](), ids, k)
+                b = asyncio.run(through_cluster(address, prompt, mode, drafter, MAX_NEW_TOKENS, k))
                 exact &= a["tokens"] == b["tokens"]
                 local.append(a)
                 remote.append(b)
@@ -132,6 +138,7 @@ def overhead(address: str, folder: str, tokenizer) -> list[dict]:
             "in_process_ms_per_token": per_token_ms(local), "cluster_ms_per_token": per_token_ms(remote),
             "ratio": per_token_ms(remote) / per_token_ms(local),
             "in_process_tokens_per_round": statistics.median(len(r["tokens"]) / r["rounds"] for r in local),
+            "cluster_tokens_per_round": statistics.median(len(r["tokens"]) / r["rounds"] for r in remote),
             "in_process_draft_ms_per_round": median(local, "draft_ms_per_round"),
             "in_process_verify_ms_per_round": median(local, "verify_ms_per_round"),
             "cluster_draft_ms_per_round": median(remote, "draft_ms_per_round"),
@@ -185,17 +192,21 @@ def render(out: dict) -> str:
         f"model process and in-process, greedy, {MAX_NEW_TOKENS} new tokens, {len(PROMPTS)} chat prompts x {REPEATS}; "
         "medians. Wall time per token includes the stream to the client.", "",
         "## Overhead, one session", "",
-        "| algorithm | exact | in-process ms/token | cluster ms/token | cluster / in-process | tokens/round | "
+        "| algorithm | exact | in-process ms/token | cluster ms/token | cluster / in-process | tokens/round (in-process / cluster) | "
         "draft ms/round (in-process / cluster) | verify ms/round (in-process / cluster) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in out.get("overhead", []):
         lines.append(f"| {r['algorithm']} | {r['exact']} | {r['in_process_ms_per_token']:.1f} | {r['cluster_ms_per_token']:.1f} | "
-                     f"{r['ratio']:.3f} | {r['in_process_tokens_per_round']:.2f} | "
+                     f"{r['ratio']:.3f} | {r['in_process_tokens_per_round']:.2f} / {r['cluster_tokens_per_round']:.2f} | "
                      f"{r['in_process_draft_ms_per_round']:.1f} / {r['cluster_draft_ms_per_round']:.1f} | "
                      f"{r['in_process_verify_ms_per_round']:.1f} / {r['cluster_verify_ms_per_round']:.1f} |")
     lines += ["", "Cluster draft / verify ms per round are measured by the coordinator around its RPCs (network, "
-              "batching window and the services' queues included); in-process ones around the calls.", "",
+              "batching window and the services' queues included); in-process ones around the calls. Target-only and "
+              "fused requests run on the Verify service's own rounds (Verify.Run, streamed: no round waits for a round "
+              "trip), and their cluster verify ms per round is the time between rounds landing at the coordinator. "
+              "With adaptive k each side picks k from the costs it measures (an RPC's included), so their rounds "
+              "differ; the fixed-k row runs the same rounds on both sides.", "",
               f"## Aggregate tokens/s through the coordinator ({CONCURRENT_NEW_TOKENS} new tokens per request)", "",
               f"Each client asks the {len(PROMPTS)} prompts in turn; the modes alternate, {AGGREGATE_REPEATS} runs each, "
               "medians. Drafted per round and acceptance: the speculative runs' (adaptive k).", "",
