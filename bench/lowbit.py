@@ -118,8 +118,10 @@ def main() -> int:
     verifiers = {name: TargetVerifier(engine) for name, engine in engines.items()}
     llama = llama_cpp_runner(str(gguf_file("default")))
     warm = chat_prompt_ids(tokenizer, "Hi")
-    for verifier in verifiers.values():
+    grounded_warm = chat_prompt_ids(tokenizer, GROUNDED_PROMPTS[0])
+    for verifier in verifiers.values():  # kernels, caches, and the verifier's fit of a verified token's cost
         ours(verifier, warm, 8, False)
+        ours(verifier, grounded_warm, 16, True)
     if llama is not None:
         llama(warm, 8)
 

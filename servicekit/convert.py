@@ -3,6 +3,7 @@ model info. Everything that comes off the wire is validated here and raises Valu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from pathlib import Path
@@ -179,6 +180,7 @@ def stats_to_pb(stats: SpecStats) -> common_pb2.SpeculationStats:
         accepted_per_position=stats.accepted_per_position, mean_accepted_length=stats.mean_accepted_length,
         draft_ms=stats.draft_ms, verify_ms=stats.verify_ms, tokens_per_s=stats.tokens_per_s,
         num_generated_tokens=stats.num_generated_tokens, seed=stats.seed, num_target_forwards=stats.num_target_forwards,
+        num_withheld_drafts=stats.num_withheld_drafts,
     )
 
 
@@ -189,6 +191,12 @@ def kv_usage_pb(usage) -> common_pb2.KvUsage:
 
 
 def tokenizer_fingerprint(folder: str | Path) -> str:
+    return _fingerprint(str(folder))
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(folder: str) -> str:
+    """Hashed once per folder: GetInfo answers it, and a health probe may ask often."""
     path = Path(folder) / "tokenizer.json"
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
 

@@ -305,10 +305,12 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             async def rounds():
                 while session.round.finish_reason is None:
                     if request.draft:
-                        response = await self._fused_round(request.session_id, session, request.num_draft_tokens)
+                        step = await self._fused_round(request.session_id, session, request.num_draft_tokens)
+                        response = verify_pb2.RunResponse(result=step.result, num_draft_tokens=step.num_draft_tokens,
+                                                          draft_ms=step.draft_ms)
                     else:
                         prepared = self._prepare(session, DraftProposal(token_ids=[]), deterministic=True)
-                        response = verify_pb2.StepResponse(result=await self._apply(request.session_id, session, *prepared))
+                        response = verify_pb2.RunResponse(result=await self._apply(request.session_id, session, *prepared))
                     session.rounds.remember(request, response)
                     yield response
 
@@ -338,6 +340,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         else:  # an n-gram lookup takes microseconds: a hop to the engine thread and back costs more
             proposal = self.fused_drafter.propose(*propose_args)
         draft_ms = (time.perf_counter() - start) * 1e3
+        if not requested_k:  # the session's adaptive k may withhold a draft unlikely to pay; a caller's fixed k is kept
+            proposal = session.round.gate(proposal)
         prepared = self._prepare(session, proposal, deterministic=True)  # q travels with the proposal when sampled
         result = await self._apply(session_id, session, *prepared, draft_ms=draft_ms)
         return verify_pb2.StepResponse(result=result, num_draft_tokens=proposal.num_tokens, draft_ms=draft_ms)

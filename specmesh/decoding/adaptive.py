@@ -54,7 +54,9 @@ class LinearCostFit:
     """Least squares fit of forward ms = fixed + per_token * tokens, over recent forwards.
 
     Sums decay by `decay` per observation (recent batches weigh more: the load and the context
-    lengths move). Until the token counts seen vary enough to tell the slope, `estimate` is None.
+    lengths move). Until the token counts seen vary enough to tell the slope, `estimate` is None;
+    once they have, a stretch of same-sized forwards (plain decoding) keeps the last estimate instead
+    of forgetting what a token costs.
 
     >>> fit = LinearCostFit()
     >>> for tokens in (1, 5, 9, 17, 33):
@@ -68,6 +70,7 @@ class LinearCostFit:
         self.decay = decay
         self.min_spread_tokens = min_spread_tokens  # standard deviation of the token counts needed
         self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._last: tuple[float, float] | None = None  # the last determined estimate
 
     def observe(self, tokens: int, ms: float) -> None:
         d = self.decay
@@ -84,9 +87,10 @@ class LinearCostFit:
         mean_x, mean_y = self._x / self._w, self._y / self._w
         var_x = self._xx / self._w - mean_x * mean_x
         if var_x < self.min_spread_tokens**2:
-            return None
+            return self._last
         slope = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
-        return max(0.0, mean_y - slope * mean_x), slope
+        self._last = (max(0.0, mean_y - slope * mean_x), slope)
+        return self._last
 
     def cost(self, batch_size: int) -> ForwardCost | None:
         fitted = self.estimate()
@@ -100,6 +104,10 @@ class KPolicy(Protocol):
 
     def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
                cost: ForwardCost | None = None) -> None: ...
+
+    def pays(self, acceptance: float) -> bool:
+        """Whether a draft whose first token is accepted with probability `acceptance` is worth verifying."""
+        ...
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -122,6 +130,7 @@ class AdaptiveK:
         if not 1 <= self.k_min <= self.k_init <= self.k_max:
             raise ValueError(f"need 1 <= k_min <= k_init <= k_max, got {self.k_min}, {self.k_init}, {self.k_max}")
         self.acceptance = 0.7  # prior until rounds are observed
+        self._beta_measured = False  # beta is still the prior
         self.draft_ms_per_token: float | None = None
         self.decode_ms: float | None = None  # v1
         self._rounds_at_zero = 0
@@ -135,8 +144,9 @@ class AdaptiveK:
                cost: ForwardCost | None = None) -> None:
         """Fold one round in and choose the next k; `cost` (when the verifier reports it) replaces
         the prior beta by the measured, load-aware one."""
-        if cost is not None:
-            self.beta = self._ema(self.beta, cost.beta())
+        if cost is not None:  # the first report replaces the prior; later ones are averaged in
+            self.beta = self._ema(self.beta if self._beta_measured else None, cost.beta())
+            self._beta_measured = True
         if num_drafted > 0:
             trials = num_accepted + (1 if num_accepted < num_drafted else 0)
             observed = num_accepted / trials
@@ -144,6 +154,13 @@ class AdaptiveK:
             self.draft_ms_per_token = self._ema(self.draft_ms_per_token, draft_ms / num_drafted)
         self.decode_ms = self._ema(self.decode_ms, verify_ms / (1.0 + self.beta * num_drafted))
         self._k = self._choose(num_drafted)
+
+    def pays(self, acceptance: float) -> bool:
+        """A first draft token pays for its verification when it is accepted with probability above
+        beta: E(1) / cost(1) = (1 + a) / (1 + beta) > 1 (a draft's later tokens only add to a first
+        one that pays). Drafting costs nothing here: the drafters that estimate `acceptance` (n-gram
+        lookups) take microseconds."""
+        return acceptance > self.beta
 
     def speed(self, k: int) -> float:
         """Expected tokens per ms at draft length k under the current estimates."""
@@ -182,3 +199,7 @@ class FixedK:
     def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
                cost: ForwardCost | None = None) -> None:
         return None
+
+    def pays(self, acceptance: float) -> bool:
+        """A fixed k is verified as drafted."""
+        return True

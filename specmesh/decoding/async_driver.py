@@ -148,7 +148,7 @@ async def speculative_stream_async(
             proposal, draft_ms = DraftProposal(token_ids=[]), 0.0
             if drafter is not None:
                 start = time.perf_counter()
-                proposal = await drafter.propose(draft_state, state.take_draft_input(), k)
+                proposal = state.gate(await drafter.propose(draft_state, state.take_draft_input(), k))
                 draft_ms = (time.perf_counter() - start) * 1e3
             if proposal.unverified:  # lossy, opt-in: an adaptive cascade stopped below the target
                 await verifier.commit(session, proposal.token_ids)  # the next Verify carries them (forced_token_ids)

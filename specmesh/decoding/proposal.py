@@ -29,7 +29,7 @@ forgets whatever it speculated beyond them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import torch
@@ -65,6 +65,9 @@ class DraftProposal:
     q: torch.Tensor | None = None  # [k, vocab] token_ids[i] was drawn from normalize_q(q)[i]; None = one-hot
     parents: list[int] | None = None  # [k] tree parents (NO_PARENT = off the last token); None = chain
     unverified: bool = False  # lossy: commit token_ids as output without verifying them (module docstring)
+    # the drafter's own estimate that its first token is accepted (None: it has none); an adaptive k
+    # policy withholds a draft whose first token is unlikely to pay for its verification (SpeculationState.gate)
+    acceptance: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

@@ -82,7 +82,7 @@ def speculative_stream(
             proposal, draft_ms = DraftProposal(token_ids=[]), 0.0
             if drafter is not None:
                 start = time.perf_counter()
-                proposal = drafter.propose(draft_state, state.take_draft_input(), k, params, draft_generator)
+                proposal = state.gate(drafter.propose(draft_state, state.take_draft_input(), k, params, draft_generator))
                 draft_ms = (time.perf_counter() - start) * 1e3
             if proposal.unverified:  # lossy, opt-in: the cascade stopped early; the target catches up next forward
                 verifier.append_unverified(session, proposal.token_ids)

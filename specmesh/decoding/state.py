@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, KPolicy
 from specmesh.decoding.detokenize import TextStream
+from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.stats import SpecStats
 
@@ -135,6 +136,17 @@ class SpeculationState:
             return 0
         k = self.k_policy.next_k() if requested is None else requested
         return max(0, min(k, self.max_draft_tokens))
+
+    def gate(self, proposal: DraftProposal) -> DraftProposal:
+        """The proposal to verify: none (plain decoding this round) when the drafter estimates its
+        first token's acceptance and the k policy says that does not pay (`KPolicy.pays`); else as
+        drafted. Withholding a draft changes the speed only: the target's tokens are the same."""
+        if proposal.acceptance is None or not proposal.num_tokens or proposal.unverified:
+            return proposal
+        if self.k_policy.pays(proposal.acceptance):
+            return proposal
+        self.stats.num_withheld_drafts += 1
+        return DraftProposal(token_ids=[])
 
     def take_draft_input(self) -> list[int]:
         """Tokens the sequence grew by since the drafter was last told (the `accepted_since_last`

@@ -25,6 +25,7 @@ class SpecStats:
     verify_ms: float = 0.0
     wall_ms: float = 0.0  # first forward to last token
     seed: int = 0
+    num_withheld_drafts: int = 0  # drafts not verified: their estimated acceptance did not pay (SpeculationState.gate)
 
     @property
     def acceptance_rate(self) -> float:
@@ -73,6 +74,7 @@ class SpecStats:
                 mine[i] += value
         self.num_generated_tokens += other.num_generated_tokens
         self.num_target_forwards += other.num_target_forwards
+        self.num_withheld_drafts += other.num_withheld_drafts
         self.draft_ms += other.draft_ms
         self.verify_ms += other.verify_ms
         self.wall_ms += other.wall_ms

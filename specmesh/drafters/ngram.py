@@ -24,6 +24,15 @@ from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.types import NO_PARENT
 
+# Beta prior (hits, misses) of a match order's acceptance before its matches have been scored: a mean
+# of 0.2, so where verifying a draft token costs a good share of a decode step (beta above 0.2: a
+# low-bit target on a CPU) drafts wait until their order has been right; where it costs little (an
+# fp32 target on one session: beta ~ 0.1) they are verified from the start. Scored over the default
+# model's greedy outputs (Q4_1 target, bench/lowbit.py's prompts, 64 tokens): on chat prompts one-token
+# matches were right 10 times in 78, two-token ones 1 in 10; on input-grounded prompts four-token
+# matches 153 times in 159.
+ACCEPTANCE_PRIOR = (1.0, 8.0)
+
 
 def _check_orders(min_n: int, max_n: int) -> None:
     if not 1 <= min_n <= max_n:
@@ -58,27 +67,56 @@ class PromptLookupIndex:
         self.max_n = max_n
         self.token_ids: list[int] = []
         self._continuation_start: dict[tuple[int, ...], int] = {}  # n-gram -> index after its latest occurrence
+        # per match order n: (first tokens it predicted right, predictions) over the scored tokens
+        self._scores: dict[int, tuple[int, int]] = {}
 
-    def extend(self, token_ids: Sequence[int]) -> None:
-        """Append tokens; O(len(token_ids) * (max_n - min_n + 1)) work."""
+    def extend(self, token_ids: Sequence[int], score: bool = False) -> None:
+        """Append tokens; O(len(token_ids) * (max_n - min_n + 1)) work. With `score`, each token is
+        first checked against what the index would have proposed right before it (free: nothing is
+        verified), which is how `acceptance` learns how often a match of each order is right."""
         for token in token_ids:
+            token = int(token)
             position = len(self.token_ids)
+            if score:
+                order, start = self._match()
+                if order:
+                    hits, predictions = self._scores.get(order, (0, 0))
+                    self._scores[order] = (hits + (self.token_ids[start] == token), predictions + 1)
             for n in range(self.min_n, min(self.max_n, position) + 1):
                 self._continuation_start[tuple(self.token_ids[position - n:position])] = position
-            self.token_ids.append(int(token))
+            self.token_ids.append(token)
 
-    def propose(self, max_tokens: int) -> list[int]:
-        """Up to max_tokens tokens following the longest earlier match of the current suffix."""
+    def _match(self) -> tuple[int, int]:
+        """(order, continuation start) of the longest earlier match of the current suffix; (0, -1) if none."""
         length = len(self.token_ids)
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             start = self._continuation_start.get(tuple(self.token_ids[length - n:]))
             if start is not None:
-                draft: list[int] = []
-                for offset in range(max_tokens):
-                    source = start + offset  # < length + offset, so already known
-                    draft.append(self.token_ids[source] if source < length else draft[source - length])
-                return draft
-        return []
+                return n, start
+        return 0, -1
+
+    def propose(self, max_tokens: int) -> list[int]:
+        """Up to max_tokens tokens following the longest earlier match of the current suffix."""
+        order, start = self._match()
+        if not order:
+            return []
+        length = len(self.token_ids)
+        draft: list[int] = []
+        for offset in range(max_tokens):
+            source = start + offset  # < length + offset, so already known
+            draft.append(self.token_ids[source] if source < length else draft[source - length])
+        return draft
+
+    def acceptance(self) -> float | None:
+        """Estimated probability that the current match's next token is right: the scored record of
+        matches of its order, under a prior of ACCEPTANCE_PRIOR (hits, misses) that expects little
+        of a match until its order has proved itself. None when nothing matches."""
+        order, _ = self._match()
+        if not order:
+            return None
+        hits, predictions = self._scores.get(order, (0, 0))
+        prior_hits, prior_misses = ACCEPTANCE_PRIOR
+        return (hits + prior_hits) / (predictions + prior_hits + prior_misses)
 
 
 class NgramStore:
@@ -186,9 +224,11 @@ class PromptLookupDrafter:
         params: SamplingParams,
         generator: torch.Generator,
     ) -> DraftProposal:
-        """The draft ignores params and generator: it is deterministic, hence lossless under sampling."""
-        state.extend(accepted_since_last)
-        return DraftProposal(token_ids=state.propose(max_tokens))
+        """The draft ignores params and generator: it is deterministic, hence lossless under sampling.
+        It carries the index's estimate of its first token's acceptance (`SpeculationState.gate`)."""
+        state.extend(accepted_since_last, score=True)
+        draft = state.propose(max_tokens)
+        return DraftProposal(token_ids=draft, acceptance=state.acceptance() if draft else None)
 
     def propose_many(self, states, accepted, max_tokens, params, generators) -> list[DraftProposal]:
         return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]

@@ -295,6 +295,7 @@ class SpeculationStats(_message.Message):
     FAILOVERS_FIELD_NUMBER: _builtins.int
     CASCADE_STAGES_FIELD_NUMBER: _builtins.int
     LOSSY_FIELD_NUMBER: _builtins.int
+    NUM_WITHHELD_DRAFTS_FIELD_NUMBER: _builtins.int
     num_drafts: _builtins.int
     """verify rounds that had at least one draft token"""
     num_draft_tokens: _builtins.int
@@ -321,6 +322,8 @@ class SpeculationStats(_message.Message):
     """times a failed service was replaced mid-request"""
     lossy: _builtins.bool
     """false = exactly the target's output; true only for an opt-in lossy mode"""
+    num_withheld_drafts: _builtins.int
+    """drafts not verified: the drafter's estimate of their acceptance did not pay for it"""
     @_builtins.property
     def accepted_per_position(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[max k] accepted count at draft position i"""
@@ -352,10 +355,11 @@ class SpeculationStats(_message.Message):
         failovers: _abc.Iterable[_builtins.str] | None = ...,
         cascade_stages: _abc.Iterable[Global___CascadeStageStats] | None = ...,
         lossy: _builtins.bool = ...,
+        num_withheld_drafts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_per_position", b"accepted_per_position", "cascade_stages", b"cascade_stages", "draft_ms", b"draft_ms", "drafter", b"drafter", "failovers", b"failovers", "lossy", b"lossy", "mean_accepted_length", b"mean_accepted_length", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_drafts", b"num_drafts", "num_failovers", b"num_failovers", "num_generated_tokens", b"num_generated_tokens", "num_target_forwards", b"num_target_forwards", "seed", b"seed", "tokens_per_s", b"tokens_per_s", "verify_ms", b"verify_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_per_position", b"accepted_per_position", "cascade_stages", b"cascade_stages", "draft_ms", b"draft_ms", "drafter", b"drafter", "failovers", b"failovers", "lossy", b"lossy", "mean_accepted_length", b"mean_accepted_length", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_drafts", b"num_drafts", "num_failovers", b"num_failovers", "num_generated_tokens", b"num_generated_tokens", "num_target_forwards", b"num_target_forwards", "num_withheld_drafts", b"num_withheld_drafts", "seed", b"seed", "tokens_per_s", b"tokens_per_s", "verify_ms", b"verify_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -410,6 +410,35 @@ class StepResponse(_message.Message):
 Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
 
 @_typing.final
+class RunResponse(_message.Message):
+    """one round, as a Step would have answered it"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    DRAFT_MS_FIELD_NUMBER: _builtins.int
+    num_draft_tokens: _builtins.int
+    """the k actually drafted (0: target only, or a draft withheld)"""
+    draft_ms: _builtins.float
+    @_builtins.property
+    def result(self) -> Global___VerifyResponse: ...
+    def __init__(
+        self,
+        *,
+        result: Global___VerifyResponse | None = ...,
+        num_draft_tokens: _builtins.int = ...,
+        draft_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_ms", b"draft_ms", "num_draft_tokens", b"num_draft_tokens", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunResponse: _TypeAlias = RunResponse  # noqa: Y015
+
+@_typing.final
 class ForkRequest(_message.Message):
     """A child starts as a copy of the parent's sequence: the prompt, every emitted token and the
     parent's pending token (the last emitted one, whose KV is not computed yet: the child's next

@@ -66,7 +66,7 @@ class VerifyServiceStub:
         self.Run = channel.unary_stream(
                 '/specmesh.v1.VerifyService/Run',
                 request_serializer=specmesh_dot_v1_dot_verify__pb2.RunRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_verify__pb2.StepResponse.FromString,
+                response_deserializer=specmesh_dot_v1_dot_verify__pb2.RunResponse.FromString,
                 _registered_method=True)
         self.Fork = channel.unary_unary(
                 '/specmesh.v1.VerifyService/Fork',
@@ -135,7 +135,7 @@ class VerifyServiceServicer:
 
     def Run(self, request, context):
         """Server-driven rounds: the service steps the session's rounds itself, one after the other (target
-        only, or drafting with its hosted drafter), and streams each round's StepResponse as it lands, so
+        only, or drafting with its hosted drafter), and streams each round as it lands, so
         no round waits for a round trip to the caller. The rounds are the Step / Verify rounds the caller
         would have sent (batched with other sessions' calls the same way), with the session's own k
         policy unless the request fixes k. The stream ends when the session finishes; the caller may
@@ -200,7 +200,7 @@ def add_VerifyServiceServicer_to_server(servicer, server):
             'Run': grpc.unary_stream_rpc_method_handler(
                     servicer.Run,
                     request_deserializer=specmesh_dot_v1_dot_verify__pb2.RunRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_verify__pb2.StepResponse.SerializeToString,
+                    response_serializer=specmesh_dot_v1_dot_verify__pb2.RunResponse.SerializeToString,
             ),
             'Fork': grpc.unary_unary_rpc_method_handler(
                     servicer.Fork,
@@ -366,7 +366,7 @@ class VerifyService:
             target,
             '/specmesh.v1.VerifyService/Run',
             specmesh_dot_v1_dot_verify__pb2.RunRequest.SerializeToString,
-            specmesh_dot_v1_dot_verify__pb2.StepResponse.FromString,
+            specmesh_dot_v1_dot_verify__pb2.RunResponse.FromString,
             options,
             channel_credentials,
             insecure,

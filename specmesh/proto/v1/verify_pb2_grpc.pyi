@@ -54,9 +54,9 @@ class VerifyServiceStub:
     """
     Step: _grpc.UnaryUnaryMultiCallable[_verify_pb2.StepRequest, _verify_pb2.StepResponse]
     """Fused mode: the service drafts with its in-process drafter, then verifies, in one RPC."""
-    Run: _grpc.UnaryStreamMultiCallable[_verify_pb2.RunRequest, _verify_pb2.StepResponse]
+    Run: _grpc.UnaryStreamMultiCallable[_verify_pb2.RunRequest, _verify_pb2.RunResponse]
     """Server-driven rounds: the service steps the session's rounds itself, one after the other (target
-    only, or drafting with its hosted drafter), and streams each round's StepResponse as it lands, so
+    only, or drafting with its hosted drafter), and streams each round as it lands, so
     no round waits for a round trip to the caller. The rounds are the Step / Verify rounds the caller
     would have sent (batched with other sessions' calls the same way), with the session's own k
     policy unless the request fixes k. The stream ends when the session finishes; the caller may
@@ -98,9 +98,9 @@ class VerifyServiceAsyncStub(VerifyServiceStub):
     """
     Step: _aio.UnaryUnaryMultiCallable[_verify_pb2.StepRequest, _verify_pb2.StepResponse]  # type: ignore[assignment]
     """Fused mode: the service drafts with its in-process drafter, then verifies, in one RPC."""
-    Run: _aio.UnaryStreamMultiCallable[_verify_pb2.RunRequest, _verify_pb2.StepResponse]  # type: ignore[assignment]
+    Run: _aio.UnaryStreamMultiCallable[_verify_pb2.RunRequest, _verify_pb2.RunResponse]  # type: ignore[assignment]
     """Server-driven rounds: the service steps the session's rounds itself, one after the other (target
-    only, or drafting with its hosted drafter), and streams each round's StepResponse as it lands, so
+    only, or drafting with its hosted drafter), and streams each round as it lands, so
     no round waits for a round trip to the caller. The rounds are the Step / Verify rounds the caller
     would have sent (batched with other sessions' calls the same way), with the session's own k
     policy unless the request fixes k. The stream ends when the session finishes; the caller may
@@ -169,9 +169,9 @@ class VerifyServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _verify_pb2.RunRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_verify_pb2.StepResponse], _abc.AsyncIterator[_verify_pb2.StepResponse]]:
+    ) -> _typing.Union[_abc.Iterator[_verify_pb2.RunResponse], _abc.AsyncIterator[_verify_pb2.RunResponse]]:
         """Server-driven rounds: the service steps the session's rounds itself, one after the other (target
-        only, or drafting with its hosted drafter), and streams each round's StepResponse as it lands, so
+        only, or drafting with its hosted drafter), and streams each round as it lands, so
         no round waits for a round trip to the caller. The rounds are the Step / Verify rounds the caller
         would have sent (batched with other sessions' calls the same way), with the session's own k
         policy unless the request fixes k. The stream ends when the session finishes; the caller may

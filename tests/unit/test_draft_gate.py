@@ -1,0 +1,89 @@
+"""Withholding drafts that do not pay: the prompt-lookup index scores each match order on the tokens
+it sees (free: nothing is verified), its proposals carry the estimated acceptance of their first
+token, and an adaptive k policy verifies them only when that beats the cost of a verified token."""
+
+from __future__ import annotations
+
+import pytest
+
+from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, LinearCostFit
+from specmesh.decoding.proposal import DraftProposal
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.state import SpeculationState
+from specmesh.drafters.ngram import ACCEPTANCE_PRIOR, PromptLookupDrafter, PromptLookupIndex
+
+
+def _prior_mean(hits: int = 0, predictions: int = 0) -> float:
+    return (hits + ACCEPTANCE_PRIOR[0]) / (predictions + sum(ACCEPTANCE_PRIOR))
+
+
+def test_the_index_scores_each_match_order_on_the_tokens_it_is_given():
+    index = PromptLookupIndex(min_n=1, max_n=2)
+    index.extend([1, 2, 3, 1])  # unscored (a prompt)
+    assert index.acceptance() == pytest.approx(_prior_mean())  # [1] matches (order 1), which has no record yet
+    index.extend([2], score=True)  # before it: suffix [1] (order 1) predicted 2: right
+    index.extend([9], score=True)  # before it: suffix [1, 2] (order 2) predicted 3: wrong
+    index.extend([5], score=True)  # before it: no earlier [2, 9] nor [9]: not a prediction
+    assert index._scores == {1: (1, 1), 2: (0, 1)}
+    assert index.acceptance() is None  # nothing matches [9, 5] or [5]
+    index.extend([1], score=True)  # suffix [5]: unseen before; [1] continues at 4 (after the prompt's last 1)
+    assert index.propose(1) == [2]
+    assert index.acceptance() == pytest.approx(_prior_mean(1, 1))  # the order-1 record: 1 right of 1
+
+
+def test_a_drafters_proposal_carries_its_acceptance_estimate():
+    drafter = PromptLookupDrafter(min_n=1, max_n=3)
+    state = drafter.open([10, 11, 12, 13, 10])
+    params = SamplingParams(temperature=0)
+    first = drafter.propose(state, [11], 3, params, None)
+    # scoring 11: [10] (order 1) had predicted it; the draft comes from [10, 11] (order 2), which has no record yet
+    assert first.token_ids == [12, 13, 10] and first.acceptance == pytest.approx(_prior_mean())
+    assert state._scores == {1: (1, 1)}
+    assert drafter.propose(state, [12, 99], 3, params, None).acceptance is None  # no match: no draft, no estimate
+
+
+def _state(k_policy) -> SpeculationState:
+    state = SpeculationState(SamplingParams(temperature=0, max_new_tokens=50), num_prompt_tokens=4, max_context=512,
+                             k_policy=k_policy)
+    state.start(7)
+    return state
+
+
+def test_an_adaptive_policy_withholds_drafts_whose_first_token_does_not_pay():
+    policy = AdaptiveK()
+    policy.update(0, 0, 0.0, 10.0, ForwardCost(fixed_ms=7.0, ms_per_token=2.2))  # a low-bit CPU target: beta ~ 0.24
+    assert policy.beta == pytest.approx(2.2 / 9.2)  # the first measured cost replaces the prior (0.1)
+    state = _state(policy)
+    unlikely = DraftProposal([1, 2, 3], acceptance=policy.beta - 0.05)
+    likely = DraftProposal([1, 2, 3], acceptance=policy.beta + 0.05)
+    assert state.gate(unlikely).token_ids == [] and state.stats.num_withheld_drafts == 1
+    assert state.gate(likely) is likely
+    assert state.gate(DraftProposal([4])).token_ids == [4]  # no estimate: verified as drafted
+    assert state.stats.num_withheld_drafts == 1
+    # a fixed k is the caller's choice: every draft is verified
+    fixed = _state(FixedK(3))
+    assert fixed.gate(unlikely) is unlikely and fixed.stats.num_withheld_drafts == 0
+
+
+def test_cheap_verification_keeps_unproved_drafts_and_costly_verification_waits_for_proof():
+    cheap, costly = AdaptiveK(), AdaptiveK()
+    for _ in range(10):
+        cheap.update(0, 0, 0.0, 30.0, ForwardCost(fixed_ms=30.0, ms_per_token=0.5))  # fp32, one session: beta ~ 0.02
+        costly.update(0, 0, 0.0, 9.0, ForwardCost(fixed_ms=7.0, ms_per_token=2.2))  # Q4_1 on a CPU: beta ~ 0.24
+    unproved = _prior_mean()
+    assert cheap.pays(unproved) and not costly.pays(unproved)
+    assert costly.pays(_prior_mean(8, 9))  # a proven order (8 right of 9) pays on the costly target too
+
+
+def test_a_fitted_token_cost_outlives_a_stretch_of_plain_decoding():
+    """Rounds that all feed one token cannot tell the slope; the fit keeps its last estimate (a
+    withheld draft must not make the next draft look cheap again)."""
+    fit = LinearCostFit()
+    assert fit.estimate() is None
+    for tokens in (1, 2, 5, 1, 3):
+        fit.observe(tokens, 7.0 + 2.0 * tokens)
+    fixed, per_token = fit.estimate()
+    assert (fixed, per_token) == (pytest.approx(7.0), pytest.approx(2.0))
+    for _ in range(2000):  # the old spread decays away
+        fit.observe(1, 9.0)
+    assert fit.estimate() == (pytest.approx(7.0), pytest.approx(2.0))
