@@ -101,7 +101,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="one prompt per set, 24 tokens, one run (smoke run)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per prompt and method (the median is kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per prompt and method (the median is kept)")
     args = parser.parse_args()
     if args.quick:
         args.max_new_tokens, args.repeats = 24, 1
