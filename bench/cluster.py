@@ -7,8 +7,9 @@
    both sides run the same rounds); with the per-round draft / verify time each side measured, so
    the RPC cost per round shows.
 2. Aggregate tokens/s at 1, 4 and 16 concurrent clients through the coordinator, speculative
-   (n-gram) and autoregressive: each client asks the prompts one after the other (the same work in
-   both modes); the two modes alternate, AGGREGATE_REPEATS times, and the medians are compared.
+   (n-gram drafted in the coordinator), fused (n-gram drafted on the Verify service) and
+   autoregressive: each client asks the prompts one after the other (the same work in every mode);
+   the modes take turns, AGGREGATE_REPEATS times, and the medians are compared.
 
     .venv/bin/python bench/cluster.py            # ~8 minutes; writes bench/results/cluster.{json,md}
     SPECMESH_BENCH_PARTS=concurrency .venv/bin/python bench/cluster.py   # one part (overhead, concurrency)
@@ -165,7 +166,8 @@ async def concurrent(address: str, n: int, mode: int, drafter: str) -> dict:
 
 def aggregate(address: str) -> list[dict]:
     """Speculative (n-gram) and autoregressive alternate (which goes first alternates too); medians."""
-    modes = {"speculative": (coordinator_pb2.GENERATION_MODE_SPECULATIVE, "ngram"),
+    modes = {"speculative": (coordinator_pb2.GENERATION_MODE_SPECULATIVE, "ngram"),  # drafted in the coordinator
+             "fused": (coordinator_pb2.GENERATION_MODE_FUSED, ""),  # drafted on the Verify service, its own rounds
              "autoregressive": (coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE, "")}
     rows = []
     for n in CONCURRENCY:
@@ -176,11 +178,14 @@ def aggregate(address: str) -> list[dict]:
         row = {"clients": n, "runs": runs}
         for name in modes:
             row[name] = statistics.median(r["tokens_per_s"] for r in runs[name])
-        row["drafted_per_round"] = statistics.median(r["drafted_per_round"] for r in runs["speculative"])
-        row["acceptance"] = statistics.median(r["acceptance"] for r in runs["speculative"])
+        for name in ("speculative", "fused"):
+            row[f"{name}_drafted_per_round"] = statistics.median(r["drafted_per_round"] for r in runs[name])
+            row[f"{name}_acceptance"] = statistics.median(r["acceptance"] for r in runs[name])
         row["ratio"] = row["speculative"] / row["autoregressive"]
-        print(f"  {n} clients: speculative / autoregressive = {row['ratio']:.2f} "
-              f"({row['speculative']:.1f} / {row['autoregressive']:.1f} tok/s)", flush=True)
+        row["fused_ratio"] = row["fused"] / row["autoregressive"]
+        print(f"  {n} clients: speculative / autoregressive = {row['ratio']:.2f}, fused / autoregressive = "
+              f"{row['fused_ratio']:.2f} ({row['speculative']:.1f} / {row['fused']:.1f} / {row['autoregressive']:.1f} tok/s)",
+              flush=True)
         rows.append(row)
     return rows
 
@@ -208,13 +213,17 @@ def render(out: dict) -> str:
               "With adaptive k each side picks k from the costs it measures (an RPC's included), so their rounds "
               "differ; the fixed-k row runs the same rounds on both sides.", "",
               f"## Aggregate tokens/s through the coordinator ({CONCURRENT_NEW_TOKENS} new tokens per request)", "",
-              f"Each client asks the {len(PROMPTS)} prompts in turn; the modes alternate, {AGGREGATE_REPEATS} runs each, "
-              "medians. Drafted per round and acceptance: the speculative runs' (adaptive k).", "",
-              "| clients | speculative (n-gram) tok/s | autoregressive tok/s | speculative / autoregressive | "
-              "drafted per round | acceptance |", "|---|---|---|---|---|---|"]
+              f"Each client asks the {len(PROMPTS)} prompts in turn; the modes take turns (the order reversed every other "
+              f"run), {AGGREGATE_REPEATS} runs each, medians. Speculative: n-gram drafts made in the coordinator, a Verify "
+              "call per round; fused: the same n-gram drafter hosted on the Verify service, which steps the rounds itself "
+              "(Verify.Run), as autoregressive requests do. Drafted per round and acceptance: adaptive k's.", "",
+              "| clients | speculative tok/s | fused tok/s | autoregressive tok/s | speculative / autoregressive | "
+              "fused / autoregressive | drafted per round (speculative / fused) | acceptance (speculative / fused) |",
+              "|---|---|---|---|---|---|---|---|"]
     for row in out.get("concurrency", []):
-        lines.append(f"| {row['clients']} | {row['speculative']:.1f} | {row['autoregressive']:.1f} | {row['ratio']:.2f} | "
-                     f"{row['drafted_per_round']:.2f} | {row['acceptance']:.2f} |")
+        lines.append(f"| {row['clients']} | {row['speculative']:.1f} | {row['fused']:.1f} | {row['autoregressive']:.1f} | "
+                     f"{row['ratio']:.2f} | {row['fused_ratio']:.2f} | {row['speculative_drafted_per_round']:.2f} / "
+                     f"{row['fused_drafted_per_round']:.2f} | {row['speculative_acceptance']:.2f} / {row['fused_acceptance']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

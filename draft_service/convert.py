@@ -13,6 +13,8 @@ def propose_response(proposal: DraftProposal, request: draft_pb2.ProposeRequest,
     response = draft_pb2.ProposeResponse(draft_token_ids=proposal.token_ids, draft_ms=draft_ms)
     if proposal.parents is not None:
         response.tree_parents.extend(proposal.parents)
+    if proposal.acceptance is not None:
+        response.first_token_acceptance = proposal.acceptance
     if request.return_distributions and proposal.q is not None and proposal.num_tokens:
         response.distributions.CopyFrom(
             distributions_to_pb(proposal.q, proposal.q.dtype, request.sparse_distributions, vocab_size))

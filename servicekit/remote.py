@@ -228,7 +228,10 @@ class RemoteDrafter:
         q = None
         if response.HasField("distributions"):
             q = distributions_from_pb(response.distributions, len(token_ids), self._vocab_size)
-        return DraftProposal(token_ids=token_ids, q=q, parents=list(response.tree_parents) or None)
+        acceptance = response.first_token_acceptance if response.HasField("first_token_acceptance") else None
+        if acceptance is not None and not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"first_token_acceptance {acceptance} is not a probability")
+        return DraftProposal(token_ids=token_ids, q=q, parents=list(response.tree_parents) or None, acceptance=acceptance)
 
     async def close(self, session: RemoteDraftSession) -> None:
         await _close_quietly(self.stub.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=session.session_id),

@@ -354,3 +354,21 @@ def test_run_streams_the_sessions_rounds_and_a_cancel_frees_it(cluster, models):
         stream.cancel()
         assert _wait_for(lambda: engine.num_free_blocks == free_before, 5.0)
         assert _code(lambda: stub.Verify(verify_pb2.VerifyRequest(session_id=session_id))) == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_ngram_draft_carries_its_acceptance_estimate_over_the_wire(cluster):
+    """The n-gram Draft service reports its first token's estimated acceptance, which the adapter
+    hands to the loop's gate (SpeculationState.gate); a model drafter reports none."""
+    from servicekit.remote import RemoteDrafter
+
+    async def propose(name: str):
+        async with channel(cluster[name][1]) as ch:
+            drafter = RemoteDrafter(draft_pb2_grpc.DraftServiceStub(ch))
+            session = await drafter.open(PROMPTS[0], SamplingParams(**GREEDY))
+            proposal = await drafter.propose(session, [5], 3)
+            await drafter.close(session)
+            return proposal
+
+    ngram = asyncio.run(propose("draft_ngram"))
+    assert ngram.token_ids and ngram.acceptance is not None and 0.0 < ngram.acceptance < 1.0
+    assert asyncio.run(propose("draft_self")).acceptance is None

@@ -140,10 +140,13 @@ class ProposeResponse(_message.Message):
     DRAFT_MS_FIELD_NUMBER: _builtins.int
     TREE_PARENTS_FIELD_NUMBER: _builtins.int
     ROUND_INDEX_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_ACCEPTANCE_FIELD_NUMBER: _builtins.int
     draft_ms: _builtins.float
     """time spent drafting inside the service"""
     round_index: _builtins.int
     """the index of the call this answers"""
+    first_token_acceptance: _builtins.float
+    """the drafter's own estimate that its first token is accepted"""
     @_builtins.property
     def draft_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[<= k] fewer when the drafter has nothing to say (n-gram miss)"""
@@ -164,12 +167,15 @@ class ProposeResponse(_message.Message):
         draft_ms: _builtins.float = ...,
         tree_parents: _abc.Iterable[_builtins.int] | None = ...,
         round_index: _builtins.int = ...,
+        first_token_acceptance: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_acceptance", b"_first_token_acceptance", "distributions", b"distributions", "first_token_acceptance", b"first_token_acceptance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions", "draft_ms", b"draft_ms", "draft_token_ids", b"draft_token_ids", "round_index", b"round_index", "tree_parents", b"tree_parents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_acceptance", b"_first_token_acceptance", "distributions", b"distributions", "draft_ms", b"draft_ms", "draft_token_ids", b"draft_token_ids", "first_token_acceptance", b"first_token_acceptance", "round_index", b"round_index", "tree_parents", b"tree_parents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__first_token_acceptance: _TypeAlias = _typing.Literal["first_token_acceptance"]  # noqa: Y015
+    _WhichOneofArgType__first_token_acceptance: _TypeAlias = _typing.Literal["_first_token_acceptance", b"_first_token_acceptance"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__first_token_acceptance) -> _WhichOneofReturnType__first_token_acceptance | None: ...
 
 Global___ProposeResponse: _TypeAlias = ProposeResponse  # noqa: Y015
 
