@@ -25,9 +25,9 @@ from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.types import NO_PARENT
 
 # Beta prior (hits, misses) of a match order's acceptance before its matches have been scored: a mean
-# of 0.2, so where verifying a draft token costs a good share of a decode step (beta above 0.2: a
+# of 0.11, so where verifying a draft token costs a good share of a decode step (beta above 0.11: a
 # low-bit target on a CPU) drafts wait until their order has been right; where it costs little (an
-# fp32 target on one session: beta ~ 0.1) they are verified from the start. Scored over the default
+# fp32 target on one session: beta at most ~0.05) they are verified from the start. Scored over the default
 # model's greedy outputs (Q4_1 target, bench/lowbit.py's prompts, 64 tokens): on chat prompts one-token
 # matches were right 10 times in 78, two-token ones 1 in 10; on input-grounded prompts four-token
 # matches 153 times in 159.
