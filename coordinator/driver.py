@@ -152,16 +152,19 @@ class FailoverVerifier:
         handle.emitted.extend(outcome.token_ids)
         return num_drafted, outcome, finish, draft_ms
 
-    async def run(self, handle: VerifyHandle, *, draft: bool, k: int = 0
+    async def run(self, handle: VerifyHandle, *, draft: bool, k: int = 0, max_rounds: int = 0
                   ) -> AsyncIterator[tuple[int, VerifyOutcome, FinishReason | None, float]]:
         """Server-driven rounds (`AsyncRunner`). If the replica fails mid-stream, the session is
-        re-opened elsewhere as in `verify` (its first token ends the round in flight) and the rounds
-        go on there."""
+        re-opened elsewhere as in `verify` (its first token ends the round in flight, and counts as
+        one of `max_rounds`) and the rounds go on there."""
+        left = max_rounds
         while True:
-            rounds = handle.remote.run(handle.session_id, draft=draft, k=k, deadline_s=self.calls.remaining_s())
+            rounds = handle.remote.run(handle.session_id, draft=draft, k=k, max_rounds=left,
+                                       deadline_s=self.calls.remaining_s())
             try:
                 async for num_drafted, outcome, finish, draft_ms in rounds:
                     handle.emitted.extend(outcome.token_ids)
+                    left -= 1 if max_rounds else 0
                     yield num_drafted, outcome, finish, draft_ms
                 return
             except grpc.aio.AioRpcError as exc:
@@ -171,6 +174,10 @@ class FailoverVerifier:
             finally:
                 await rounds.aclose()
             yield 0, reopened, None, 0.0
+            if max_rounds:
+                left -= 1
+                if not left:
+                    return
 
     async def commit(self, handle: VerifyHandle, token_ids: Sequence[int]) -> None:
         """A lossy cascade's unverified chunk: sent with the next Verify (a re-open includes it)."""

@@ -24,7 +24,9 @@ class CoordinatorOptions(ServerOptions):
     q_dtype: str = "float32"  # how draft distributions travel: float32 | float16 | bfloat16
     sparse_q: bool = False  # send only q's support
     call_timeout_s: float = 60.0  # deadline of each downstream call
-    server_rounds: bool = True  # fused and target-only requests: the Verify service steps the rounds and streams them (Run)
+    # fused and target-only requests: the Verify service steps the rounds and streams them (Run);
+    # speculative ones hand it their plain stretches (rounds where drafting does not pay)
+    server_rounds: bool = True
     skeleton_max_parallel: int = 4  # skeleton mode: branches decoded at once when the request says 0
     skeleton_max_points: int = 8  # skeleton mode: the most points a plan may have (the grammar's bound)
     skeleton_layout: str = "one_sequence"  # skeleton mode: one_sequence (regions of one sequence; faster here) | batching

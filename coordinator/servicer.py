@@ -163,7 +163,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         k_policy = FixedK(request.num_draft_tokens) if request.num_draft_tokens and mode != "autoregressive" else None
         stream = speculative_stream_async(verifier, outer, prompt_ids, params, k_policy=k_policy, decode=self._decode,
                                           fused=mode == "fused",
-                                          server_rounds=self.options.server_rounds and (mode == "fused" or outer is None))
+                                          server_rounds=self.options.server_rounds and (mode == "fused" or outer is None),
+                                          plain_runs=self.options.server_rounds and drafter is not None and outer is drafter)
         try:
             async for event in stream:
                 response = coordinator_pb2.GenerateResponse(text=event.text, token_ids=event.token_ids, branch_id=-1)

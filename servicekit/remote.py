@@ -150,13 +150,14 @@ class RemoteVerifier:
         return (response.num_draft_tokens, outcome_from_pb(response.result, drafted),
                 FINISH_FROM_PB[response.result.finish_reason], response.draft_ms)
 
-    async def run(self, session_id: str, *, draft: bool, k: int = 0, deadline_s: float | None = None
-                  ) -> AsyncIterator[tuple[int, VerifyOutcome, FinishReason | None, float]]:
+    async def run(self, session_id: str, *, draft: bool, k: int = 0, max_rounds: int = 0,
+                  deadline_s: float | None = None) -> AsyncIterator[tuple[int, VerifyOutcome, FinishReason | None, float]]:
         """Server-driven rounds (the Run RPC): per round as it lands, (k drafted, outcome, finish,
-        draft ms). `deadline_s` bounds the whole stream (None: the request's own has none); each
-        round must land within this verifier's per-call timeout, else DEADLINE_EXCEEDED, as a
-        unary round's would. Leaving the loop early cancels the call, which closes the session."""
-        request = verify_pb2.RunRequest(session_id=session_id, draft=draft, num_draft_tokens=k,
+        draft ms); `max_rounds` > 0 ends the stream after that many, the session left open.
+        `deadline_s` bounds the whole stream (None: the request's own has none); each round must
+        land within this verifier's per-call timeout, else DEADLINE_EXCEEDED, as a unary round's
+        would. Leaving the loop early cancels the call, which closes the session."""
+        request = verify_pb2.RunRequest(session_id=session_id, draft=draft, num_draft_tokens=k, max_rounds=max_rounds,
                                         round_index=self._rounds.get(session_id, 0))
         call = self.stub.Run(request, timeout=deadline_s, metadata=self.metadata)
         self.counters.add(request)

@@ -303,7 +303,9 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             self._check_open(session)
 
             async def rounds():
-                while session.round.finish_reason is None:
+                done = 0
+                while session.round.finish_reason is None and (not request.max_rounds or done < request.max_rounds):
+                    done += 1
                     if request.draft:
                         step = await self._fused_round(request.session_id, session, request.num_draft_tokens)
                         response = verify_pb2.RunResponse(result=step.result, num_draft_tokens=step.num_draft_tokens,

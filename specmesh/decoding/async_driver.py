@@ -66,10 +66,11 @@ class AsyncStepper(AsyncVerifier, Protocol):
 class AsyncRunner(AsyncVerifier, Protocol):
     """A verifier that can step a session's rounds itself and stream them (server-driven rounds)."""
 
-    def run(self, session: Any, *, draft: bool, k: int = 0
+    def run(self, session: Any, *, draft: bool, k: int = 0, max_rounds: int = 0
             ) -> AsyncIterator[tuple[int, VerifyOutcome, FinishReason | None, float]]:
-        """Rounds until the session finishes, each as it lands: (tokens drafted, outcome, finish
-        verdict, draft ms); `draft`: with the verifier's own drafter (k fixed, or 0 for its policy's)."""
+        """Rounds until the session finishes (or `max_rounds` of them, the session left open), each
+        as it lands: (tokens drafted, outcome, finish verdict, draft ms); `draft`: with the verifier's
+        own drafter (k fixed, or 0 for its policy's)."""
         ...
 
 
@@ -91,13 +92,16 @@ async def speculative_stream_async(
     decode: Callable[[Sequence[int]], str] | None = None,
     fused: bool = False,
     server_rounds: bool = False,
+    plain_runs: bool = False,
 ) -> AsyncIterator[StepEvent]:
     """Speculative decoding with remote parts (plain decoding on the verifier when `drafter` is None).
     `fused`: the verifier is an `AsyncStepper` that drafts itself; `drafter` must be None.
     `server_rounds` (no drafter here): the verifier is an `AsyncRunner` that steps the rounds itself
     and streams them, so no round waits for a round trip to this driver; the state folds them in as
     they land and stops the stream at its own finish (a stop string). k is then the verifier's
-    policy's, unless `k_policy` is a `FixedK`."""
+    policy's, unless `k_policy` is a `FixedK`. `plain_runs` (with a drafter here): the verifier is an
+    `AsyncRunner`, and the state's plain stretches (`SpeculationState.plain_rounds`: rounds where
+    drafting does not pay) are handed to it in one `run` each instead of a call per round."""
     if fused and drafter is not None:
         raise ValueError("fused mode drafts on the verifier: pass no drafter")
     if server_rounds and drafter is not None:
@@ -108,7 +112,7 @@ async def speculative_stream_async(
     state = SpeculationState(
         params, num_prompt_tokens=len(prompt_ids), max_context=info.max_context, eos_token_ids=info.eos_token_ids,
         k_policy=k_policy, has_drafter=drafter is not None or fused, decode=decode, prompt_ids=prompt_ids, seed=seed,
-        vocab_size=info.vocab_size,
+        vocab_size=info.vocab_size, plain_stretches=plain_runs and drafter is not None,
     )
     start = time.perf_counter()
     session, first_token_id = await verifier.open(prompt_ids, params)
@@ -119,23 +123,20 @@ async def speculative_stream_async(
             draft_state = await drafter.open(prompt_ids, params)
         if server_rounds and not state.finished:
             fixed_k = k_policy.k if isinstance(k_policy, FixedK) else 0
-            rounds = verifier.run(session, draft=fused, k=fixed_k)  # type: ignore[attr-defined]
-            try:
-                start = time.perf_counter()
-                async for num_drafted, outcome, their_finish, draft_ms in rounds:
-                    now = time.perf_counter()  # a round's verify time: since the last one landed, less its drafting
-                    event = state.record(num_drafted, outcome.num_accepted, outcome.token_ids, draft_ms,
-                                         (now - start) * 1e3 - draft_ms, outcome.cost)
-                    start = now
-                    _check_agreement(state, their_finish)
-                    yield event
-                    if state.finished:
-                        break
-            finally:
-                await rounds.aclose()
+            async for event in _server_rounds(verifier, session, state, draft=fused, k=fixed_k):
+                yield event
             if not state.finished:
                 raise RuntimeError("the verifier's rounds ended before the session finished")
         while not state.finished:
+            stretch = state.plain_rounds() if plain_runs else 0
+            if stretch:
+                num_events = 0
+                async for event in _server_rounds(verifier, session, state, draft=False, max_rounds=stretch):
+                    num_events += 1
+                    yield event
+                if not num_events:
+                    raise RuntimeError("the verifier's rounds ended before the session finished")
+                continue
             k = state.next_k()
             if fused and k:
                 start = time.perf_counter()
@@ -165,6 +166,26 @@ async def speculative_stream_async(
         await verifier.close(session)
         if drafter is not None and draft_state is not None:
             await drafter.close(draft_state)
+
+
+async def _server_rounds(verifier: Any, session: Any, state: SpeculationState, *, draft: bool, k: int = 0,
+                         max_rounds: int = 0) -> AsyncIterator[StepEvent]:
+    """The verifier's own rounds (`AsyncRunner.run`), folded into the state as they land; stops at
+    the state's finish (a stop string the verifier does not know), which cancels the stream."""
+    rounds = verifier.run(session, draft=draft, k=k, max_rounds=max_rounds)
+    try:
+        start = time.perf_counter()
+        async for num_drafted, outcome, their_finish, draft_ms in rounds:
+            now = time.perf_counter()  # a round's verify time: since the last one landed, less its drafting
+            event = state.record(num_drafted, outcome.num_accepted, outcome.token_ids, draft_ms,
+                                 (now - start) * 1e3 - draft_ms, outcome.cost)
+            start = now
+            _check_agreement(state, their_finish)
+            yield event
+            if state.finished:
+                break
+    finally:
+        await rounds.aclose()
 
 
 def _check_agreement(state: SpeculationState, their_finish: FinishReason | None) -> None:

@@ -59,15 +59,18 @@ def speculative_stream(
     k_policy: KPolicy | None = None,
     eos_token_ids: Sequence[int] | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
+    plain_stretches: bool = False,
 ) -> Iterator[StepEvent]:
-    """Generate with speculative decoding (plain decoding when `drafter` is None); see module doc."""
+    """Generate with speculative decoding (plain decoding when `drafter` is None); see module doc.
+    `plain_stretches`: the state's plain stretches (`SpeculationState.plain_rounds`), as a remote
+    driver with `plain_runs` makes them (the same rounds in-process, for comparisons)."""
     engine = verifier.engine
     target_generator, seed = make_generator(params.seed, engine.device)
     state = SpeculationState(
         params, num_prompt_tokens=len(prompt_ids), max_context=engine.max_context,
         eos_token_ids=engine.eos_token_ids if eos_token_ids is None else eos_token_ids,
         k_policy=k_policy, has_drafter=drafter is not None, decode=decode, prompt_ids=prompt_ids, seed=seed,
-        vocab_size=engine.vocab_size,
+        vocab_size=engine.vocab_size, plain_stretches=plain_stretches and drafter is not None,
     )
     start = time.perf_counter()
     session = verifier.open(prompt_ids, params, target_generator)

@@ -42,6 +42,7 @@ from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.stats import SpecStats
 
 DRAFT_SEED_SALT = 0x5EED_D4AF  # the drafter's generator is seeded with seed ^ this
+PLAIN_STRETCH_MAX = 8  # the longest plain stretch (rounds the drafter is not asked); see SpeculationState.plain_rounds
 
 
 def draft_seed(seed: int) -> int:
@@ -85,6 +86,7 @@ class SpeculationState:
         prompt_ids: Sequence[int] = (),
         seed: int = 0,
         vocab_size: int | None = None,
+        plain_stretches: bool = False,
     ):
         params.validate(vocab_size)
         if params.stop and decode is None:
@@ -102,6 +104,9 @@ class SpeculationState:
         self.num_tokens = num_prompt_tokens  # prompt + every token the target emitted (the pending one too)
         self._emitted: list[int] = []  # every token the target emitted, also past a finish (what the KV saw)
         self._num_told_drafter = 0
+        self.plain_stretches = plain_stretches
+        self._fruitless_rounds = 0  # rounds in a row that accepted no draft token (a stretch's not counted)
+        self._stretch_left = 0  # rounds of the current plain stretch still to run
         self.num_unverified_tokens = 0  # emitted without the target's verification (lossy mode only)
         self._start_s = time.perf_counter()
 
@@ -134,8 +139,21 @@ class SpeculationState:
         self._check_not_finished()
         if not self.has_drafter:
             return 0
+        if requested is None and self._stretch_left:
+            return 0
         k = self.k_policy.next_k() if requested is None else requested
         return max(0, min(k, self.max_draft_tokens))
+
+    def plain_rounds(self) -> int:
+        """Rounds that will decode plainly from here whatever the drafter says: a plain stretch, which
+        a driver may hand to the verifier in one go (`AsyncRunner.run` with max_rounds: no round
+        trip per round). Only with `plain_stretches`: after m rounds in a row that accepted no draft
+        token (the policy's k was 0, `gate` withheld the draft, the drafter had none, or all of it
+        was rejected), the next min(2^(m-2), PLAIN_STRETCH_MAX) rounds are plain without asking the
+        drafter (it is told their tokens afterwards, so an n-gram index still scores them). An
+        accepted draft token ends the streak. The target's tokens are the same either way; only
+        which rounds draft changes."""
+        return self._stretch_left
 
     def gate(self, proposal: DraftProposal) -> DraftProposal:
         """The proposal to verify: none (plain decoding this round) when the drafter estimates its
@@ -172,6 +190,7 @@ class SpeculationState:
             raise ValueError(f"a round emits num_accepted + 1 = {num_accepted + 1} tokens, got {len(token_ids)}")
         self.stats.record_round(num_drafted, num_accepted, draft_ms, verify_ms)
         self.k_policy.update(num_drafted, num_accepted, draft_ms, verify_ms, cost)
+        self._count_fruitless(num_accepted)
         return self._emit(list(map(int, token_ids)), num_drafted, num_accepted)
 
     @property
@@ -192,6 +211,16 @@ class SpeculationState:
         event = self._emit(list(map(int, token_ids)), 0, 0)
         event.unverified = True
         return event
+
+    def _count_fruitless(self, num_accepted: int) -> None:
+        if num_accepted:
+            self._fruitless_rounds = self._stretch_left = 0
+        elif self._stretch_left:
+            self._stretch_left -= 1
+        elif self.plain_stretches and self.has_drafter:
+            self._fruitless_rounds += 1
+            if self._fruitless_rounds >= 2:
+                self._stretch_left = min(PLAIN_STRETCH_MAX, 2 ** (self._fruitless_rounds - 2))
 
     def _check_not_finished(self) -> None:
         if self.finish_reason is not None:

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from specmesh.decoding.adaptive import FixedK
+from specmesh.decoding.adaptive import AdaptiveK, FixedK
 from specmesh.decoding.async_driver import TargetInfo, generate_async
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
@@ -42,6 +42,21 @@ class InProcessVerifier:
 
     async def close(self, session) -> None:
         self.verifier.close(session)
+
+
+class InProcessRunner(InProcessVerifier):
+    """... that also steps plain rounds itself (`AsyncRunner`, target-only), noting each run's max_rounds."""
+
+    def __init__(self, verifier: TargetVerifier):
+        super().__init__(verifier)
+        self.runs: list[int] = []
+
+    async def run(self, session, *, draft: bool, k: int = 0, max_rounds: int = 0):
+        assert not draft and not k and max_rounds > 0
+        self.runs.append(max_rounds)
+        for _ in range(max_rounds):
+            outcome = self.verifier.verify(session, DraftProposal(token_ids=[]))
+            yield 0, outcome, None, 0.0
 
 
 class InProcessDrafter:
@@ -89,3 +104,22 @@ def test_sync_and_async_drivers_give_identical_generations(engines, drafter_kind
         sync.stats.num_target_forwards, sync.stats.num_draft_tokens, sync.stats.num_accepted_tokens)
     if drafter_kind == "model" or (drafter_kind != "none" and params.is_greedy):  # sampled text rarely repeats
         assert sync.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=11)])
+def test_plain_stretches_run_on_the_verifier_with_the_same_rounds(engines, sampling):
+    """With drafts that never pay (beta so high that k = 0 and any probe's draft is withheld), the async driver hands the state's plain
+    stretches to the verifier's `run` (growing 1, 2, 4, 8 rounds) and yields exactly the rounds and
+    tokens of the in-process loop with the same stretches, which are the plain decoding's tokens."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, **sampling)
+    verifier = TargetVerifier(engines["target"])
+    plain = generate(verifier, None, PROMPT, params)
+    sync = generate(verifier, PromptLookupDrafter(1, 3), PROMPT, params, k_policy=AdaptiveK(beta=0.99),
+                    plain_stretches=True)
+    runner = InProcessRunner(verifier)
+    events = asyncio.run(generate_async(runner, InProcessDrafter(PromptLookupDrafter(1, 3)), PROMPT, params,
+                                        k_policy=AdaptiveK(beta=0.99), plain_runs=True))
+    assert [t for e in events for t in e.token_ids] == sync.token_ids == plain.token_ids
+    assert events[-1].stats.num_target_forwards == sync.stats.num_target_forwards == plain.stats.num_target_forwards
+    assert events[-1].stats.num_withheld_drafts == sync.stats.num_withheld_drafts
+    assert runner.runs[:4] == [1, 2, 4, 8] and sum(runner.runs) > len(plain.token_ids) // 2

@@ -126,6 +126,24 @@ def test_rounds_driven_by_the_coordinator_give_the_same_tokens(target, tokenizer
                 assert last.stats.num_draft_tokens > 0
 
 
+def test_plain_stretches_of_a_speculative_request_run_on_the_verify_service(cluster, target, tokenizer):
+    """Adaptive k with the coordinator's n-gram drafter on text it rarely predicts: the rounds where
+    drafting does not pay come in growing plain stretches, each one Verify.Run call (max_rounds)
+    instead of a Verify call per round; the tokens are target-only greedy's."""
+    registry = cluster.verify[0].servicer.metrics.registry
+
+    def calls(method: str) -> float:
+        return registry.get_sample_value("specmesh_requests_total", {"method": method, "code": "OK"}) or 0.0
+
+    before = calls("Run"), calls("Verify")
+    tokens, last = _run(_collect(cluster.address, _request(PROMPT, "speculative", "ngram", 0, max_new_tokens=80)))
+    assert tokens == _reference(target, tokenizer, PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=80))
+    stretches, single_rounds = calls("Run") - before[0], calls("Verify") - before[1]
+    assert stretches >= 3  # 1, 2, 4, 8 ... rounds each
+    rounds = last.stats.num_target_forwards - 1  # after the prefill
+    assert single_rounds < rounds / 2  # most rounds ran inside stretches
+
+
 def test_seeded_sampling_equals_the_in_process_run(cluster, target, tokenizer):
     params = SamplingParams(temperature=1.2, seed=7, ignore_eos=True, max_new_tokens=30)
     tokens, _ = _run(_collect(cluster.address, _request(PROMPT, "speculative", "ngram", 3, temperature=1.2, seed=7,

@@ -343,6 +343,17 @@ def test_run_streams_the_sessions_rounds_and_a_cancel_frees_it(cluster, models):
             assert _code(lambda: list(stub.Run(again))) == grpc.StatusCode.FAILED_PRECONDITION  # noqa: B023
             assert stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id)).existed
 
+        # max_rounds: a bounded stretch of rounds; the session stays open for the caller's next round
+        session_id, first = open_session()
+        stretch = list(stub.Run(verify_pb2.RunRequest(session_id=session_id, round_index=0, max_rounds=3), timeout=TIMEOUT_S))
+        assert [r.result.round_index for r in stretch] == [0, 1, 2]
+        one = stub.Verify(verify_pb2.VerifyRequest(session_id=session_id, round_index=3))
+        rest = list(stub.Run(verify_pb2.RunRequest(session_id=session_id, round_index=4), timeout=TIMEOUT_S))
+        tokens = [first, *(t for r in stretch for t in r.result.accepted_token_ids), *one.accepted_token_ids,
+                  *(t for r in rest for t in r.result.accepted_token_ids)]
+        assert tokens == plain and rest[-1].result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id)).existed
+
         session_id, _ = open_session()
         assert _code(lambda: list(stub.Run(verify_pb2.RunRequest(session_id=session_id, num_draft_tokens=2)))) == \
             grpc.StatusCode.INVALID_ARGUMENT  # a k without drafting

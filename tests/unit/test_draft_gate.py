@@ -87,3 +87,47 @@ def test_a_fitted_token_cost_outlives_a_stretch_of_plain_decoding():
     for _ in range(2000):  # the old spread decays away
         fit.observe(1, 9.0)
     assert fit.estimate() == (pytest.approx(7.0), pytest.approx(2.0))
+
+
+def _plain_round(state: SpeculationState, token: int = 5) -> None:
+    state.gate(DraftProposal([1, 2], acceptance=0.0))  # asked only outside a stretch; withheld by an adaptive k
+    state.record(0, 0, [token])
+
+
+def test_plain_stretches_grow_while_drafts_do_not_pay_and_end_at_a_verified_draft():
+    """m rounds in a row that accept no draft token (here: withheld drafts) make the next
+    min(2^(m-2), 8) rounds plain without asking the drafter; an accepted draft token starts over, a
+    rejected draft does not. Off unless asked for."""
+    policy = AdaptiveK(beta=0.5)  # acceptance 0.0 never beats it
+    state = SpeculationState(SamplingParams(temperature=0, max_new_tokens=500), num_prompt_tokens=4, max_context=1024,
+                             k_policy=policy, plain_stretches=True)
+    state.start(7)
+    stretches = []
+    for _ in range(7):
+        assert state.plain_rounds() == 0 and state.next_k() > 0  # a decision: the drafter is asked ...
+        _plain_round(state)  # ... and its draft withheld
+        stretches.append(state.plain_rounds())
+        for _ in range(state.plain_rounds()):
+            assert state.next_k() == 0  # inside a stretch nothing is drafted
+            state.record(0, 0, [6])
+    assert stretches == [0, 1, 2, 4, 8, 8, 8]
+    assert state.stats.num_withheld_drafts == 7  # stretch rounds are not withheld drafts: nothing was asked
+    state.next_k()
+    state.record(2, 0, [1])  # a draft rejected whole: still fruitless
+    assert state.plain_rounds() == 8
+    for _ in range(8):
+        state.record(0, 0, [6])
+    state.next_k()
+    state.record(2, 1, [1, 3])  # an accepted draft token: the streak starts over
+    _plain_round(state)
+    assert state.plain_rounds() == 0
+    _plain_round(state)
+    assert state.plain_rounds() == 1
+    # without plain_stretches every round asks the drafter
+    off = SpeculationState(SamplingParams(temperature=0, max_new_tokens=50), num_prompt_tokens=4, max_context=512,
+                           k_policy=AdaptiveK(beta=0.5))
+    off.start(7)
+    for _ in range(10):
+        off.next_k()
+        _plain_round(off)
+        assert off.plain_rounds() == 0

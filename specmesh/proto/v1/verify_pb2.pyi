@@ -357,6 +357,7 @@ class RunRequest(_message.Message):
     DRAFT_FIELD_NUMBER: _builtins.int
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     ROUND_INDEX_FIELD_NUMBER: _builtins.int
+    MAX_ROUNDS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     draft: _builtins.bool
     """draft with the hosted drafter (fused); false: target-only rounds"""
@@ -364,6 +365,8 @@ class RunRequest(_message.Message):
     """with draft: a fixed k; 0 = the session's adaptive k"""
     round_index: _builtins.int
     """the session's completed rounds, as in VerifyRequest (checked, not replayed)"""
+    max_rounds: _builtins.int
+    """stop after this many rounds (the session stays open); 0 = until it finishes"""
     def __init__(
         self,
         *,
@@ -371,10 +374,11 @@ class RunRequest(_message.Message):
         draft: _builtins.bool = ...,
         num_draft_tokens: _builtins.int = ...,
         round_index: _builtins.int | None = ...,
+        max_rounds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "round_index", b"round_index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "draft", b"draft", "num_draft_tokens", b"num_draft_tokens", "round_index", b"round_index", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "draft", b"draft", "max_rounds", b"max_rounds", "num_draft_tokens", b"num_draft_tokens", "round_index", b"round_index", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__round_index: _TypeAlias = _typing.Literal["round_index"]  # noqa: Y015
     _WhichOneofArgType__round_index: _TypeAlias = _typing.Literal["_round_index", b"_round_index"]  # noqa: Y015

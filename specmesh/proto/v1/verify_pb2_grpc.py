@@ -138,7 +138,8 @@ class VerifyServiceServicer:
         only, or drafting with its hosted drafter), and streams each round as it lands, so
         no round waits for a round trip to the caller. The rounds are the Step / Verify rounds the caller
         would have sent (batched with other sessions' calls the same way), with the session's own k
-        policy unless the request fixes k. The stream ends when the session finishes; the caller may
+        policy unless the request fixes k. The stream ends when the session finishes, or after
+        max_rounds rounds with the session left open for the caller's next call; the caller may
         cancel it at any round (e.g. a stop string it decodes), which closes the session, as any call
         cancelled while it holds a session does. The session takes no other call while its Run lasts.
         """
