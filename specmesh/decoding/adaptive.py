@@ -103,7 +103,9 @@ class KPolicy(Protocol):
     def next_k(self) -> int: ...
 
     def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
-               cost: ForwardCost | None = None) -> None: ...
+               cost: ForwardCost | None = None, catch_up: bool = False) -> None:
+        """`catch_up`: the drafter first absorbed tokens of plain rounds (its draft_ms includes that)."""
+        ...
 
     def pays(self, acceptance: float) -> bool:
         """Whether a draft whose first token is accepted with probability `acceptance` is worth verifying."""
@@ -141,9 +143,11 @@ class AdaptiveK:
         return self._k
 
     def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
-               cost: ForwardCost | None = None) -> None:
+               cost: ForwardCost | None = None, catch_up: bool = False) -> None:
         """Fold one round in and choose the next k; `cost` (when the verifier reports it) replaces
-        the prior beta by the measured, load-aware one."""
+        the prior beta by the measured, load-aware one. A `catch_up` round's draft time (a model
+        drafter feeding the tokens of the plain rounds before it) says little of a draft token's
+        cost, and would keep a policy at k = 0 there: it is used only while nothing better is known."""
         if cost is not None:  # the first report replaces the prior; later ones are averaged in
             self.beta = self._ema(self.beta if self._beta_measured else None, cost.beta())
             self._beta_measured = True
@@ -151,7 +155,8 @@ class AdaptiveK:
             trials = num_accepted + (1 if num_accepted < num_drafted else 0)
             observed = num_accepted / trials
             self.acceptance = self._ema(self.acceptance, observed)
-            self.draft_ms_per_token = self._ema(self.draft_ms_per_token, draft_ms / num_drafted)
+            if not catch_up or self.draft_ms_per_token is None:
+                self.draft_ms_per_token = self._ema(self.draft_ms_per_token, draft_ms / num_drafted)
         self.decode_ms = self._ema(self.decode_ms, verify_ms / (1.0 + self.beta * num_drafted))
         self._k = self._choose(num_drafted)
 
@@ -197,7 +202,7 @@ class FixedK:
         return self.k
 
     def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
-               cost: ForwardCost | None = None) -> None:
+               cost: ForwardCost | None = None, catch_up: bool = False) -> None:
         return None
 
     def pays(self, acceptance: float) -> bool:

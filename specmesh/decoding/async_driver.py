@@ -147,7 +147,7 @@ async def speculative_stream_async(
                 yield event
                 continue
             proposal, draft_ms = DraftProposal(token_ids=[]), 0.0
-            if drafter is not None:
+            if drafter is not None and state.asks_drafter(k):
                 start = time.perf_counter()
                 proposal = state.gate(await drafter.propose(draft_state, state.take_draft_input(), k))
                 draft_ms = (time.perf_counter() - start) * 1e3

@@ -83,7 +83,7 @@ def speculative_stream(
         while not state.finished:
             k = state.next_k()
             proposal, draft_ms = DraftProposal(token_ids=[]), 0.0
-            if drafter is not None:
+            if drafter is not None and state.asks_drafter(k):
                 start = time.perf_counter()
                 proposal = state.gate(drafter.propose(draft_state, state.take_draft_input(), k, params, draft_generator))
                 draft_ms = (time.perf_counter() - start) * 1e3

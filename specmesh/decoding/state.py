@@ -42,7 +42,7 @@ from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.stats import SpecStats
 
 DRAFT_SEED_SALT = 0x5EED_D4AF  # the drafter's generator is seeded with seed ^ this
-PLAIN_STRETCH_MAX = 8  # the longest plain stretch (rounds the drafter is not asked); see SpeculationState.plain_rounds
+PLAIN_STRETCH_MAX = 16  # the longest plain stretch (rounds the drafter is not asked); see SpeculationState.plain_rounds
 
 
 def draft_seed(seed: int) -> int:
@@ -106,6 +106,7 @@ class SpeculationState:
         self._num_told_drafter = 0
         self.plain_stretches = plain_stretches
         self._fruitless_rounds = 0  # rounds in a row that accepted no draft token (a stretch's not counted)
+        self._last_round_drafted = True  # the round before drafted (the first round's drafter is up to date)
         self._stretch_left = 0  # rounds of the current plain stretch still to run
         self.num_unverified_tokens = 0  # emitted without the target's verification (lossy mode only)
         self._start_s = time.perf_counter()
@@ -144,16 +145,24 @@ class SpeculationState:
         k = self.k_policy.next_k() if requested is None else requested
         return max(0, min(k, self.max_draft_tokens))
 
+    def asks_drafter(self, k: int) -> bool:
+        """Whether this round calls the drafter: when it drafts (k > 0), when the round before did
+        (the drafter must hear the verdict on its draft before anything else: `Drafter.propose`), and
+        on the last round (k capped at 0 by the budget). Other rounds at k = 0 leave their tokens for
+        the next draft to take in (over the wire: no Propose call for nothing)."""
+        return self.has_drafter and (k > 0 or self._last_round_drafted or self.max_draft_tokens == 0)
+
     def plain_rounds(self) -> int:
         """Rounds that will decode plainly from here whatever the drafter says: a plain stretch, which
         a driver may hand to the verifier in one go (`AsyncRunner.run` with max_rounds: no round
         trip per round). Only with `plain_stretches`: after m rounds in a row that accepted no draft
         token (the policy's k was 0, `gate` withheld the draft, the drafter had none, or all of it
-        was rejected), the next min(2^(m-2), PLAIN_STRETCH_MAX) rounds are plain without asking the
+        was rejected), the next min(2^(m-1), PLAIN_STRETCH_MAX) rounds are plain without asking the
         drafter (it is told their tokens afterwards, so an n-gram index still scores them). An
         accepted draft token ends the streak. The target's tokens are the same either way; only
-        which rounds draft changes."""
-        return self._stretch_left
+        which rounds draft changes. A stretch right after a draft starts one round later: that round
+        still tells the drafter its verdict (`asks_drafter`)."""
+        return 0 if self._last_round_drafted else self._stretch_left
 
     def gate(self, proposal: DraftProposal) -> DraftProposal:
         """The proposal to verify: none (plain decoding this round) when the drafter estimates its
@@ -189,7 +198,9 @@ class SpeculationState:
         if len(token_ids) != num_accepted + 1:
             raise ValueError(f"a round emits num_accepted + 1 = {num_accepted + 1} tokens, got {len(token_ids)}")
         self.stats.record_round(num_drafted, num_accepted, draft_ms, verify_ms)
-        self.k_policy.update(num_drafted, num_accepted, draft_ms, verify_ms, cost)
+        catch_up = num_drafted > 0 and not self._last_round_drafted
+        self.k_policy.update(num_drafted, num_accepted, draft_ms, verify_ms, cost, catch_up=catch_up)
+        self._last_round_drafted = num_drafted > 0
         self._count_fruitless(num_accepted)
         return self._emit(list(map(int, token_ids)), num_drafted, num_accepted)
 
@@ -219,8 +230,7 @@ class SpeculationState:
             self._stretch_left -= 1
         elif self.plain_stretches and self.has_drafter:
             self._fruitless_rounds += 1
-            if self._fruitless_rounds >= 2:
-                self._stretch_left = min(PLAIN_STRETCH_MAX, 2 ** (self._fruitless_rounds - 2))
+            self._stretch_left = min(PLAIN_STRETCH_MAX, 2 ** (self._fruitless_rounds - 1))
 
     def _check_not_finished(self) -> None:
         if self.finish_reason is not None:

@@ -96,10 +96,10 @@ def _plain_round(state: SpeculationState, token: int = 5) -> None:
 
 def test_plain_stretches_grow_while_drafts_do_not_pay_and_end_at_a_verified_draft():
     """m rounds in a row that accept no draft token (here: withheld drafts) make the next
-    min(2^(m-2), 8) rounds plain without asking the drafter; an accepted draft token starts over, a
+    min(2^(m-1), 16) rounds plain without asking the drafter; an accepted draft token starts over, a
     rejected draft does not. Off unless asked for."""
     policy = AdaptiveK(beta=0.5)  # acceptance 0.0 never beats it
-    state = SpeculationState(SamplingParams(temperature=0, max_new_tokens=500), num_prompt_tokens=4, max_context=1024,
+    state = SpeculationState(SamplingParams(temperature=0, max_new_tokens=900), num_prompt_tokens=4, max_context=2048,
                              k_policy=policy, plain_stretches=True)
     state.start(7)
     stretches = []
@@ -110,19 +110,23 @@ def test_plain_stretches_grow_while_drafts_do_not_pay_and_end_at_a_verified_draf
         for _ in range(state.plain_rounds()):
             assert state.next_k() == 0  # inside a stretch nothing is drafted
             state.record(0, 0, [6])
-    assert stretches == [0, 1, 2, 4, 8, 8, 8]
+    assert stretches == [1, 2, 4, 8, 16, 16, 16]
     assert state.stats.num_withheld_drafts == 7  # stretch rounds are not withheld drafts: nothing was asked
     state.next_k()
-    state.record(2, 0, [1])  # a draft rejected whole: still fruitless
-    assert state.plain_rounds() == 8
-    for _ in range(8):
+    state.record(2, 0, [1])  # a draft rejected whole: still fruitless, a stretch of 16 ...
+    assert state.plain_rounds() == 0  # ... whose first round still tells the drafter its verdict
+    assert state.next_k() == 0 and state.asks_drafter(0)
+    state.record(0, 0, [6])
+    assert state.plain_rounds() == 15 and not state.asks_drafter(0)  # then no calls: the next draft takes the tokens in
+    for _ in range(15):
         state.record(0, 0, [6])
     state.next_k()
     state.record(2, 1, [1, 3])  # an accepted draft token: the streak starts over
     _plain_round(state)
-    assert state.plain_rounds() == 0
-    _plain_round(state)
     assert state.plain_rounds() == 1
+    state.record(0, 0, [6])
+    _plain_round(state)
+    assert state.plain_rounds() == 2
     # without plain_stretches every round asks the drafter
     off = SpeculationState(SamplingParams(temperature=0, max_new_tokens=50), num_prompt_tokens=4, max_context=512,
                            k_policy=AdaptiveK(beta=0.5))
