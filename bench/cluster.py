@@ -99,11 +99,11 @@ async def through_cluster(address: str, prompt: str, mode: int, drafter: str, ma
             "draft_ms_per_round": stats.draft_ms / rounds, "verify_ms_per_round": stats.verify_ms / rounds}
 
 
-def in_process(verifier: TargetVerifier, drafter, ids: list[int], k: int = 0) -> dict:
+def in_process(verifier: TargetVerifier, drafter, ids: list[int], k: int = 0, plain_stretches: bool = False) -> dict:
     params = SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS)
     start = time.perf_counter()
     k_policy = None if drafter is None else FixedK(k) if k else AdaptiveK()
-    result = generate(verifier, drafter, ids, params, k_policy=k_policy)
+    result = generate(verifier, drafter, ids, params, k_policy=k_policy, plain_stretches=plain_stretches)
     wall = time.perf_counter() - start
     rounds = max(1, result.stats.num_target_forwards - 1)
     return {"tokens": result.token_ids, "wall_s": wall, "rounds": rounds,
@@ -122,7 +122,8 @@ def overhead(address: str, folder: str, tokenizer) -> list[dict]:
         for _ in range(REPEATS):
             for prompt in PROMPTS:
                 ids = chat_prompt_ids(tokenizer, prompt)
-                a = in_process(verifier, drafters[kind](), ids, k)
+                # the cluster's speculative requests run plain stretches (Verify.Run); the same rule in-process
+                a = in_process(verifier, drafters[kind](), ids, k, plain_stretches=mode == coordinator_pb2.GENERATION_MODE_SPECULATIVE)
                 b = asyncio.run(through_cluster(address, prompt, mode, drafter, MAX_NEW_TOKENS, k))
                 exact &= a["tokens"] == b["tokens"]
                 local.append(a)
@@ -211,11 +212,14 @@ def render(out: dict) -> str:
               "fused requests run on the Verify service's own rounds (Verify.Run, streamed: no round waits for a round "
               "trip), and their cluster verify ms per round is the time between rounds landing at the coordinator. "
               "With adaptive k each side picks k from the costs it measures (an RPC's included), so their rounds "
-              "differ; the fixed-k row runs the same rounds on both sides.", "",
+              "differ; the fixed-k row runs the same rounds on both sides. The cluster's speculative requests hand "
+              "their plain stretches (rounds that accepted no draft token) to Verify.Run; in-process the same "
+              "stretches are stepped one round at a time (generate(..., plain_stretches=True)), so the rounds match.", "",
               f"## Aggregate tokens/s through the coordinator ({CONCURRENT_NEW_TOKENS} new tokens per request)", "",
               f"Each client asks the {len(PROMPTS)} prompts in turn; the modes take turns (the order reversed every other "
               f"run), {AGGREGATE_REPEATS} runs each, medians. Speculative: n-gram drafts made in the coordinator, a Verify "
-              "call per round; fused: the same n-gram drafter hosted on the Verify service, which steps the rounds itself "
+              "call per round that may draft, and the plain stretches between (rounds that accepted nothing: 1, 2, 4, "
+              "... 16 rounds) as one bounded Verify.Run each; fused: the same n-gram drafter hosted on the Verify service, which steps the rounds itself "
               "(Verify.Run), as autoregressive requests do. Drafted per round and acceptance: adaptive k's.", "",
               "| clients | speculative tok/s | fused tok/s | autoregressive tok/s | speculative / autoregressive | "
               "fused / autoregressive | drafted per round (speculative / fused) | acceptance (speculative / fused) |",

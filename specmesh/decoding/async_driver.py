@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -123,17 +124,19 @@ async def speculative_stream_async(
             draft_state = await drafter.open(prompt_ids, params)
         if server_rounds and not state.finished:
             fixed_k = k_policy.k if isinstance(k_policy, FixedK) else 0
-            async for event in _server_rounds(verifier, session, state, draft=fused, k=fixed_k):
-                yield event
+            async with aclosing(_server_rounds(verifier, session, state, draft=fused, k=fixed_k)) as rounds:
+                async for event in rounds:  # (closed at once when this stream is: the call is cancelled)
+                    yield event
             if not state.finished:
                 raise RuntimeError("the verifier's rounds ended before the session finished")
         while not state.finished:
             stretch = state.plain_rounds() if plain_runs else 0
             if stretch:
                 num_events = 0
-                async for event in _server_rounds(verifier, session, state, draft=False, max_rounds=stretch):
-                    num_events += 1
-                    yield event
+                async with aclosing(_server_rounds(verifier, session, state, draft=False, max_rounds=stretch)) as rounds:
+                    async for event in rounds:
+                        num_events += 1
+                        yield event
                 if not num_events:
                     raise RuntimeError("the verifier's rounds ended before the session finished")
                 continue
@@ -169,7 +172,7 @@ async def speculative_stream_async(
 
 
 async def _server_rounds(verifier: Any, session: Any, state: SpeculationState, *, draft: bool, k: int = 0,
-                         max_rounds: int = 0) -> AsyncIterator[StepEvent]:
+                         max_rounds: int = 0) -> AsyncGenerator[StepEvent, None]:
     """The verifier's own rounds (`AsyncRunner.run`), folded into the state as they land; stops at
     the state's finish (a stop string the verifier does not know), which cancels the stream."""
     rounds = verifier.run(session, draft=draft, k=k, max_rounds=max_rounds)

@@ -155,13 +155,14 @@ class SpeculationState:
     def plain_rounds(self) -> int:
         """Rounds that will decode plainly from here whatever the drafter says: a plain stretch, which
         a driver may hand to the verifier in one go (`AsyncRunner.run` with max_rounds: no round
-        trip per round). Only with `plain_stretches`: after m rounds in a row that accepted no draft
-        token (the policy's k was 0, `gate` withheld the draft, the drafter had none, or all of it
-        was rejected), the next min(2^(m-1), PLAIN_STRETCH_MAX) rounds are plain without asking the
-        drafter (it is told their tokens afterwards, so an n-gram index still scores them). An
-        accepted draft token ends the streak. The target's tokens are the same either way; only
-        which rounds draft changes. A stretch right after a draft starts one round later: that round
-        still tells the drafter its verdict (`asks_drafter`)."""
+        trip per round). Only with `plain_stretches` and a policy's k (a fixed k is kept): after m
+        rounds in a row that accepted no draft token (the policy's k was 0, `gate` withheld the
+        draft, the drafter had none, or all of it was rejected), the next min(2^(m-1),
+        PLAIN_STRETCH_MAX) rounds are plain without asking the drafter (it is told their tokens
+        afterwards, so an n-gram index still scores them). An accepted draft token ends the streak.
+        The target's tokens are the same either way; only which rounds draft changes. A stretch
+        right after a draft starts one round later: that round still tells the drafter its verdict
+        (`asks_drafter`)."""
         return 0 if self._last_round_drafted else self._stretch_left
 
     def gate(self, proposal: DraftProposal) -> DraftProposal:
@@ -228,7 +229,7 @@ class SpeculationState:
             self._fruitless_rounds = self._stretch_left = 0
         elif self._stretch_left:
             self._stretch_left -= 1
-        elif self.plain_stretches and self.has_drafter:
+        elif self.plain_stretches and self.has_drafter and not isinstance(self.k_policy, FixedK):  # a fixed k is kept
             self._fruitless_rounds += 1
             self._stretch_left = min(PLAIN_STRETCH_MAX, 2 ** (self._fruitless_rounds - 1))
 

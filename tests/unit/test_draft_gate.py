@@ -127,6 +127,14 @@ def test_plain_stretches_grow_while_drafts_do_not_pay_and_end_at_a_verified_draf
     state.record(0, 0, [6])
     _plain_round(state)
     assert state.plain_rounds() == 2
+    # a fixed k is the caller's: its rejected drafts start no stretch
+    fixed = SpeculationState(SamplingParams(temperature=0, max_new_tokens=50), num_prompt_tokens=4, max_context=512,
+                             k_policy=FixedK(3), plain_stretches=True)
+    fixed.start(7)
+    for _ in range(5):
+        assert fixed.next_k() == 3
+        fixed.record(3, 0, [5])
+        assert fixed.plain_rounds() == 0
     # without plain_stretches every round asks the drafter
     off = SpeculationState(SamplingParams(temperature=0, max_new_tokens=50), num_prompt_tokens=4, max_context=512,
                            k_policy=AdaptiveK(beta=0.5))
