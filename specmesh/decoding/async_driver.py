@@ -132,13 +132,9 @@ async def speculative_stream_async(
         while not state.finished:
             stretch = state.plain_rounds() if plain_runs else 0
             if stretch:
-                num_events = 0
-                async with aclosing(_server_rounds(verifier, session, state, draft=False, max_rounds=stretch)) as rounds:
+                async with aclosing(_plain_rounds(verifier, session, state, stretch)) as rounds:
                     async for event in rounds:
-                        num_events += 1
                         yield event
-                if not num_events:
-                    raise RuntimeError("the verifier's rounds ended before the session finished")
                 continue
             k = state.next_k()
             if fused and k:
@@ -158,6 +154,12 @@ async def speculative_stream_async(
                 await verifier.commit(session, proposal.token_ids)  # the next Verify carries them (forced_token_ids)
                 yield state.record_unverified(proposal.token_ids, draft_ms)
                 continue
+            plain = state.plain_rounds_from_here() if plain_runs and not proposal.num_tokens else 1
+            if plain > 1:  # this plain round and the stretch it starts: one Run
+                async with aclosing(_plain_rounds(verifier, session, state, plain, draft_ms)) as rounds:
+                    async for event in rounds:
+                        yield event
+                continue
             start = time.perf_counter()
             outcome, their_finish = await verifier.verify(session, proposal)
             verify_ms = (time.perf_counter() - start) * 1e3
@@ -172,23 +174,37 @@ async def speculative_stream_async(
 
 
 async def _server_rounds(verifier: Any, session: Any, state: SpeculationState, *, draft: bool, k: int = 0,
-                         max_rounds: int = 0) -> AsyncGenerator[StepEvent, None]:
+                         max_rounds: int = 0, asked_ms: float = 0.0) -> AsyncGenerator[StepEvent, None]:
     """The verifier's own rounds (`AsyncRunner.run`), folded into the state as they land; stops at
-    the state's finish (a stop string the verifier does not know), which cancels the stream."""
+    the state's finish (a stop string the verifier does not know), which cancels the stream.
+    `asked_ms`: time this driver spent asking its drafter for the first round (which drafted nothing)."""
     rounds = verifier.run(session, draft=draft, k=k, max_rounds=max_rounds)
     try:
         start = time.perf_counter()
         async for num_drafted, outcome, their_finish, draft_ms in rounds:
             now = time.perf_counter()  # a round's verify time: since the last one landed, less its drafting
-            event = state.record(num_drafted, outcome.num_accepted, outcome.token_ids, draft_ms,
+            event = state.record(num_drafted, outcome.num_accepted, outcome.token_ids, draft_ms + asked_ms,
                                  (now - start) * 1e3 - draft_ms, outcome.cost)
-            start = now
+            start, asked_ms = now, 0.0
             _check_agreement(state, their_finish)
             yield event
             if state.finished:
                 break
     finally:
         await rounds.aclose()
+
+
+async def _plain_rounds(verifier: Any, session: Any, state: SpeculationState, num_rounds: int,
+                        asked_ms: float = 0.0) -> AsyncGenerator[StepEvent, None]:
+    """`num_rounds` plain rounds stepped by the verifier (one bounded `run`); at least one must land."""
+    landed = 0
+    async with aclosing(_server_rounds(verifier, session, state, draft=False, max_rounds=num_rounds,
+                                       asked_ms=asked_ms)) as rounds:
+        async for event in rounds:
+            landed += 1
+            yield event
+    if not landed:
+        raise RuntimeError("the verifier's rounds ended before the session finished")
 
 
 def _check_agreement(state: SpeculationState, their_finish: FinishReason | None) -> None:

@@ -165,6 +165,16 @@ class SpeculationState:
         (`asks_drafter`)."""
         return 0 if self._last_round_drafted else self._stretch_left
 
+    def plain_rounds_from_here(self) -> int:
+        """For a round with nothing to verify (k = 0, or its draft empty or withheld): how many rounds
+        decode plainly from this one on, counting it: it and the plain stretch that recording it
+        starts (`plain_rounds`), or 1 without plain stretches. A driver may run them in one go."""
+        if self._stretch_left:  # a stretch deferred by the round before's draft: this round is its first
+            return self._stretch_left
+        if not (self.plain_stretches and self.has_drafter) or isinstance(self.k_policy, FixedK):
+            return 1
+        return 1 + min(PLAIN_STRETCH_MAX, 2**self._fruitless_rounds)
+
     def gate(self, proposal: DraftProposal) -> DraftProposal:
         """The proposal to verify: none (plain decoding this round) when the drafter estimates its
         first token's acceptance and the k policy says that does not pay (`KPolicy.pays`); else as

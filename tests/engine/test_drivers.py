@@ -109,7 +109,7 @@ def test_sync_and_async_drivers_give_identical_generations(engines, drafter_kind
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=40, seed=11)])
 def test_plain_stretches_run_on_the_verifier_with_the_same_rounds(engines, sampling):
     """With drafts that never pay (beta so high that k = 0 and any probe's draft is withheld), the async driver hands the state's plain
-    stretches to the verifier's `run` (growing 1, 2, 4, 8 rounds) and yields exactly the rounds and
+    stretches to the verifier's `run` (each with the round that started it) and yields exactly the rounds and
     tokens of the in-process loop with the same stretches, which are the plain decoding's tokens."""
     params = SamplingParams(max_new_tokens=40, ignore_eos=True, **sampling)
     verifier = TargetVerifier(engines["target"])
@@ -122,4 +122,5 @@ def test_plain_stretches_run_on_the_verifier_with_the_same_rounds(engines, sampl
     assert [t for e in events for t in e.token_ids] == sync.token_ids == plain.token_ids
     assert events[-1].stats.num_target_forwards == sync.stats.num_target_forwards == plain.stats.num_target_forwards
     assert events[-1].stats.num_withheld_drafts == sync.stats.num_withheld_drafts
-    assert runner.runs[:4] == [1, 2, 4, 8] and sum(runner.runs) > len(plain.token_ids) // 2
+    # each run: the round whose draft was withheld (or empty) and the stretch of 1, 2, 4, 8 ... it starts
+    assert runner.runs[:4] == [2, 3, 5, 9] and sum(runner.runs) > len(plain.token_ids) // 2

@@ -105,6 +105,7 @@ def test_plain_stretches_grow_while_drafts_do_not_pay_and_end_at_a_verified_draf
     stretches = []
     for _ in range(7):
         assert state.plain_rounds() == 0 and state.next_k() > 0  # a decision: the drafter is asked ...
+        assert state.plain_rounds_from_here() == 1 + min(16, 2 ** len(stretches))  # (were nothing verified)
         _plain_round(state)  # ... and its draft withheld
         stretches.append(state.plain_rounds())
         for _ in range(state.plain_rounds()):
@@ -115,7 +116,7 @@ def test_plain_stretches_grow_while_drafts_do_not_pay_and_end_at_a_verified_draf
     state.next_k()
     state.record(2, 0, [1])  # a draft rejected whole: still fruitless, a stretch of 16 ...
     assert state.plain_rounds() == 0  # ... whose first round still tells the drafter its verdict
-    assert state.next_k() == 0 and state.asks_drafter(0)
+    assert state.next_k() == 0 and state.asks_drafter(0) and state.plain_rounds_from_here() == 16
     state.record(0, 0, [6])
     assert state.plain_rounds() == 15 and not state.asks_drafter(0)  # then no calls: the next draft takes the tokens in
     for _ in range(15):
@@ -134,7 +135,7 @@ def test_plain_stretches_grow_while_drafts_do_not_pay_and_end_at_a_verified_draf
     for _ in range(5):
         assert fixed.next_k() == 3
         fixed.record(3, 0, [5])
-        assert fixed.plain_rounds() == 0
+        assert fixed.plain_rounds() == 0 and fixed.plain_rounds_from_here() == 1
     # without plain_stretches every round asks the drafter
     off = SpeculationState(SamplingParams(temperature=0, max_new_tokens=50), num_prompt_tokens=4, max_context=512,
                            k_policy=AdaptiveK(beta=0.5))
