@@ -9,7 +9,8 @@ probe round with k_min is still made every `probe_every` rounds so a change in a
 (a repetitive stretch of text, say) is noticed.
 
 Estimates are exponential moving averages. The acceptance estimate treats a round as a run of
-Bernoulli trials: n accepted of k drafted is n successes and (n < k) one failure.
+Bernoulli trials: n accepted of k drafted is n successes and (n < k) one failure, each trial one step
+of the average (a round of 4 accepted moves it as far as 4 probes of 1 would).
 
 Under load the prior beta is wrong. A batched verify forward of N tokens costs about A + B * N ms
 (A: reading the weights, B: compute per token; `TargetVerifier` fits both with a `LinearCostFit` over
@@ -152,9 +153,11 @@ class AdaptiveK:
             self.beta = self._ema(self.beta if self._beta_measured else None, cost.beta())
             self._beta_measured = True
         if num_drafted > 0:
-            trials = num_accepted + (1 if num_accepted < num_drafted else 0)
-            observed = num_accepted / trials
-            self.acceptance = self._ema(self.acceptance, observed)
+            # each trial is one EMA step: n successes move a to 1 - (1 - a)(1 - w)^n, a failure scales it by 1 - w
+            keep = 1 - self.ema_weight
+            self.acceptance = 1 - (1 - self.acceptance) * keep**num_accepted
+            if num_accepted < num_drafted:
+                self.acceptance *= keep
             if not catch_up or self.draft_ms_per_token is None:
                 self.draft_ms_per_token = self._ema(self.draft_ms_per_token, draft_ms / num_drafted)
         self.decode_ms = self._ema(self.decode_ms, verify_ms / (1.0 + self.beta * num_drafted))
