@@ -101,8 +101,9 @@ async def speculative_stream_async(
     and streams them, so no round waits for a round trip to this driver; the state folds them in as
     they land and stops the stream at its own finish (a stop string). k is then the verifier's
     policy's, unless `k_policy` is a `FixedK`. `plain_runs` (with a drafter here): the verifier is an
-    `AsyncRunner`, and the state's plain stretches (`SpeculationState.plain_rounds`: rounds where
-    drafting does not pay) are handed to it in one `run` each instead of a call per round."""
+    `AsyncRunner`, and a round with nothing to verify and the plain stretch it starts
+    (`SpeculationState.plain_rounds_from_here`: rounds where drafting does not pay) are handed to it
+    in one `run` instead of a call per round."""
     if fused and drafter is not None:
         raise ValueError("fused mode drafts on the verifier: pass no drafter")
     if server_rounds and drafter is not None:
@@ -130,12 +131,6 @@ async def speculative_stream_async(
             if not state.finished:
                 raise RuntimeError("the verifier's rounds ended before the session finished")
         while not state.finished:
-            stretch = state.plain_rounds() if plain_runs else 0
-            if stretch:
-                async with aclosing(_plain_rounds(verifier, session, state, stretch)) as rounds:
-                    async for event in rounds:
-                        yield event
-                continue
             k = state.next_k()
             if fused and k:
                 start = time.perf_counter()

@@ -70,7 +70,7 @@ def speculative_stream(
         params, num_prompt_tokens=len(prompt_ids), max_context=engine.max_context,
         eos_token_ids=engine.eos_token_ids if eos_token_ids is None else eos_token_ids,
         k_policy=k_policy, has_drafter=drafter is not None, decode=decode, prompt_ids=prompt_ids, seed=seed,
-        vocab_size=engine.vocab_size, plain_stretches=plain_stretches and drafter is not None,
+        vocab_size=engine.vocab_size, plain_stretches=plain_stretches,
     )
     start = time.perf_counter()
     session = verifier.open(prompt_ids, params, target_generator)

@@ -104,7 +104,8 @@ class SpeculationState:
         self.num_tokens = num_prompt_tokens  # prompt + every token the target emitted (the pending one too)
         self._emitted: list[int] = []  # every token the target emitted, also past a finish (what the KV saw)
         self._num_told_drafter = 0
-        self.plain_stretches = plain_stretches
+        # plain stretches apply to a policy's k only (a caller's fixed k is kept)
+        self._stretches = plain_stretches and has_drafter and not isinstance(self.k_policy, FixedK)
         self._fruitless_rounds = 0  # rounds in a row that accepted no draft token (a stretch's not counted)
         self._last_round_drafted = True  # the round before drafted (the first round's drafter is up to date)
         self._stretch_left = 0  # rounds of the current plain stretch still to run
@@ -153,9 +154,9 @@ class SpeculationState:
         return self.has_drafter and (k > 0 or self._last_round_drafted or self.max_draft_tokens == 0)
 
     def plain_rounds(self) -> int:
-        """Rounds that will decode plainly from here whatever the drafter says: a plain stretch, which
-        a driver may hand to the verifier in one go (`AsyncRunner.run` with max_rounds: no round
-        trip per round). Only with `plain_stretches` and a policy's k (a fixed k is kept): after m
+        """Rounds of the current plain stretch that will decode plainly whatever the drafter says (a
+        driver hands a stretch to the verifier in one go through `plain_rounds_from_here`). Only
+        with `plain_stretches` and a policy's k (a fixed k is kept): after m
         rounds in a row that accepted no draft token (the policy's k was 0, `gate` withheld the
         draft, the drafter had none, or all of it was rejected), the next min(2^(m-1),
         PLAIN_STRETCH_MAX) rounds are plain without asking the drafter (it is told their tokens
@@ -171,7 +172,7 @@ class SpeculationState:
         starts (`plain_rounds`), or 1 without plain stretches. A driver may run them in one go."""
         if self._stretch_left:  # a stretch deferred by the round before's draft: this round is its first
             return self._stretch_left
-        if not (self.plain_stretches and self.has_drafter) or isinstance(self.k_policy, FixedK):
+        if not self._stretches:
             return 1
         return 1 + min(PLAIN_STRETCH_MAX, 2**self._fruitless_rounds)
 
@@ -239,7 +240,7 @@ class SpeculationState:
             self._fruitless_rounds = self._stretch_left = 0
         elif self._stretch_left:
             self._stretch_left -= 1
-        elif self.plain_stretches and self.has_drafter and not isinstance(self.k_policy, FixedK):  # a fixed k is kept
+        elif self._stretches:
             self._fruitless_rounds += 1
             self._stretch_left = min(PLAIN_STRETCH_MAX, 2 ** (self._fruitless_rounds - 1))
 
