@@ -77,8 +77,9 @@ class WindowBatcher:
     async def _window(self) -> None:
         """Wait `window_ms`, or less: until every expected caller is queued."""
         self._all_queued = asyncio.Event()
-        try:
-            await asyncio.wait_for(self._all_queued.wait(), self.window_ms / 1e3)
+        try:  # asyncio.timeout: a cancel (shutdown) is never swallowed, as wait_for's can be on Python 3.11
+            async with asyncio.timeout(self.window_ms / 1e3):
+                await self._all_queued.wait()
         except TimeoutError:
             pass
         finally:

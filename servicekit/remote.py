@@ -163,8 +163,9 @@ class RemoteVerifier:
         self.counters.add(request)
         try:
             while True:
-                try:
-                    response = await asyncio.wait_for(call.read(), self.timeout_s)
+                try:  # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that lands
+                    async with asyncio.timeout(self.timeout_s):  # as the read completes (the client left; rounds went on)
+                        response = await call.read()
                 except TimeoutError:
                     raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                                f"no round of session {session_id} within {self.timeout_s} s") from None

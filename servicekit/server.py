@@ -24,6 +24,7 @@ import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,9 +192,12 @@ class Edge:
                 request, principal = await admit(raw, context)
                 self.num_calls += 1
                 try:
+                    # aclosing: a stream closed early (the client left) closes the servicer's generator
+                    # here and now, in this call's context, not whenever the garbage collector gets to it
                     with principal_scope(principal):
-                        async for response in call(request, context):
-                            yield response
+                        async with aclosing(call(request, context)) as responses:
+                            async for response in responses:
+                                yield response
                 finally:
                     self.num_calls -= 1
 
