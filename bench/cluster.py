@@ -1,17 +1,18 @@
 """Cluster benchmark: the Coordinator + Draft + Verify processes against the same algorithm in-process.
 
 1. Overhead, one session (greedy, default model, CPU): wall time per token through the cluster
-   (three processes on loopback, started as `make run-cluster` starts them) over the in-process run
-   of the same algorithm, for target-only decoding, n-gram drafts (drafted in the coordinator, or
-   fused on the Verify service) and a bf16 self-draft (the Draft service; adaptive k, and k = 4 so
-   both sides run the same rounds); with the per-round draft / verify time each side measured, so
-   the RPC cost per round shows.
-2. Aggregate tokens/s at 1, 4 and 16 concurrent clients through the coordinator, speculative
-   (n-gram drafted in the coordinator), fused (n-gram drafted on the Verify service) and
-   autoregressive: each client asks the prompts one after the other (the same work in every mode);
-   the modes take turns, AGGREGATE_REPEATS times, and the medians are compared.
+   (processes on loopback, started as `make run-cluster` starts them) over the in-process run of
+   the same algorithm, for target-only decoding, n-gram drafts (made in the coordinator, or on the
+   Verify service: speculative mode's default placement when it hosts that drafter) and a bf16
+   self-draft (the Draft service; adaptive k, and k = 4 so both sides run the same rounds); with
+   the per-round draft / verify time each side measured, so the RPC cost per round shows.
+2. Aggregate tokens/s at 1, 4 and 16 concurrent clients through the coordinator: speculative with
+   n-gram drafts (placed on the Verify service), the same with the drafts made in the coordinator
+   (a second coordinator, `ngram_placement: coordinator`), and autoregressive: each client asks the
+   prompts one after the other (the same work in every mode); the modes take turns,
+   AGGREGATE_REPEATS times, and the medians are compared.
 
-    .venv/bin/python bench/cluster.py            # ~8 minutes; writes bench/results/cluster.{json,md}
+    .venv/bin/python bench/cluster.py            # ~12 minutes; writes bench/results/cluster.{json,md}
     SPECMESH_BENCH_PARTS=concurrency .venv/bin/python bench/cluster.py   # one part (overhead, concurrency)
 Medians over prompts and repeats; ratios come from one run.
 """
@@ -58,15 +59,21 @@ PROMPTS = [
 ]
 CONCURRENCY = (1, 4, 16)
 CONCURRENT_NEW_TOKENS = 32
-AGGREGATE_REPEATS = 3
-ALGORITHMS = {  # name: (in-process drafter kind, coordinator mode, coordinator drafter, fixed k or 0 for adaptive k)
-    "target only": ("none", coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE, "", 0),
-    "n-gram, drafted in the coordinator": ("ngram", coordinator_pb2.GENERATION_MODE_SPECULATIVE, "ngram", 0),
-    "n-gram, fused on the Verify service": ("ngram", coordinator_pb2.GENERATION_MODE_FUSED, "", 0),
-    "bf16 self-draft, Draft service": ("bf16", coordinator_pb2.GENERATION_MODE_SPECULATIVE, "service", 0),
+AGGREGATE_REPEATS = 5
+SPEC, FUSED, AR = (coordinator_pb2.GENERATION_MODE_SPECULATIVE, coordinator_pb2.GENERATION_MODE_FUSED,
+                   coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE)
+HERE = "coordinator-ngram-here"  # a second coordinator, ngram_placement: coordinator (n-gram drafts made there)
+# name: (in-process drafter kind, coordinator, mode, drafter, fixed k or 0 for adaptive k, in-process plain stretches)
+ALGORITHMS = {
+    "target only": ("none", "coordinator", AR, "", 0, False),
+    "n-gram, drafted in the coordinator": ("ngram", HERE, SPEC, "ngram", 0, True),
+    # speculative mode's default placement: the Verify service hosts the n-gram drafter and steps the
+    # rounds itself (the fused mode's rounds; its own state, without plain stretches)
+    "n-gram, on the Verify service (speculative mode)": ("ngram", "coordinator", SPEC, "ngram", 0, False),
+    "bf16 self-draft, Draft service": ("bf16", "coordinator", SPEC, "service", 0, True),
     # adaptive k picks from the costs each side measures (an RPC's included), so the rounds differ;
     # a fixed k makes both sides run the same rounds, and the ratio is the wire's cost alone
-    "bf16 self-draft, Draft service, k = 4": ("bf16", coordinator_pb2.GENERATION_MODE_SPECULATIVE, "service", 4),
+    "bf16 self-draft, Draft service, k = 4": ("bf16", "coordinator", SPEC, "service", 4, True),
 }
 
 
@@ -76,6 +83,7 @@ def cluster_config(folder: str) -> dict:
         "draft": {"kind": "draft", "drafter": "model", "dtype": "bfloat16", **common},
         "verify": {"kind": "verify", "dtype": "float32", "fused_drafter": "ngram", **common},
         "coordinator": {"kind": "coordinator", "port": 0},
+        HERE: {"kind": "coordinator", "port": 0, "ngram_placement": "coordinator"},
     }}
 
 
@@ -110,20 +118,22 @@ def in_process(verifier: TargetVerifier, drafter, ids: list[int], k: int = 0, pl
             "draft_ms_per_round": result.stats.draft_ms / rounds, "verify_ms_per_round": result.stats.verify_ms / rounds}
 
 
-def overhead(address: str, folder: str, tokenizer) -> list[dict]:
+def overhead(addresses: dict[str, str], folder: str, tokenizer) -> list[dict]:
     torch.set_num_threads(THREADS)
     verifier = TargetVerifier(load_engine(folder, dtype="float32"))
     bf16 = load_engine(folder, dtype="bfloat16")
     drafters = {"none": lambda: None, "ngram": lambda: PromptLookupDrafter(min_n=1, max_n=4), "bf16": lambda: ModelDrafter(bf16)}
     rows = []
-    for name, (kind, mode, drafter, k) in ALGORITHMS.items():
+    for name, (kind, coordinator, mode, drafter, k, stretches) in ALGORITHMS.items():
         local, remote, exact = [], [], True
+        address = addresses[coordinator]
         asyncio.run(through_cluster(address, PROMPTS[0], mode, drafter, 8, k))  # warm-up (kernels, caches)
         for _ in range(REPEATS):
             for prompt in PROMPTS:
                 ids = chat_prompt_ids(tokenizer, prompt)
-                # the cluster's speculative requests run plain stretches (Verify.Run); the same rule in-process
-                a = in_process(verifier, drafters[kind](), ids, k, plain_stretches=mode == coordinator_pb2.GENERATION_MODE_SPECULATIVE)
+                # speculative requests drafted away from the Verify service run plain stretches (Verify.Run);
+                # the same rule in-process
+                a = in_process(verifier, drafters[kind](), ids, k, plain_stretches=stretches)
                 b = asyncio.run(through_cluster(address, prompt, mode, drafter, MAX_NEW_TOKENS, k))
                 exact &= a["tokens"] == b["tokens"]
                 local.append(a)
@@ -165,28 +175,29 @@ async def concurrent(address: str, n: int, mode: int, drafter: str) -> dict:
             "acceptance": sum(r["accepted"] for r in results) / max(1, sum(r["drafted"] for r in results))}
 
 
-def aggregate(address: str) -> list[dict]:
-    """Speculative (n-gram) and autoregressive alternate (which goes first alternates too); medians."""
-    modes = {"speculative": (coordinator_pb2.GENERATION_MODE_SPECULATIVE, "ngram"),  # drafted in the coordinator
-             "fused": (coordinator_pb2.GENERATION_MODE_FUSED, ""),  # drafted on the Verify service, its own rounds
-             "autoregressive": (coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE, "")}
+def aggregate(addresses: dict[str, str]) -> list[dict]:
+    """The modes take turns (which goes first alternates too); medians."""
+    modes = {"speculative": ("coordinator", SPEC, "ngram"),  # n-gram drafts on the Verify service (default placement)
+             "coordinator_ngram": (HERE, SPEC, "ngram"),  # n-gram drafts made in the coordinator
+             "autoregressive": ("coordinator", AR, "")}
     rows = []
     for n in CONCURRENCY:
         runs: dict[str, list[dict]] = {name: [] for name in modes}
         for repeat in range(AGGREGATE_REPEATS):
             for name in (list(modes) if repeat % 2 == 0 else list(modes)[::-1]):
-                runs[name].append(asyncio.run(concurrent(address, n, *modes[name])))
+                coordinator, mode, drafter = modes[name]
+                runs[name].append(asyncio.run(concurrent(addresses[coordinator], n, mode, drafter)))
         row = {"clients": n, "runs": runs}
         for name in modes:
             row[name] = statistics.median(r["tokens_per_s"] for r in runs[name])
-        for name in ("speculative", "fused"):
+        for name in ("speculative", "coordinator_ngram"):
             row[f"{name}_drafted_per_round"] = statistics.median(r["drafted_per_round"] for r in runs[name])
             row[f"{name}_acceptance"] = statistics.median(r["acceptance"] for r in runs[name])
         row["ratio"] = row["speculative"] / row["autoregressive"]
-        row["fused_ratio"] = row["fused"] / row["autoregressive"]
-        print(f"  {n} clients: speculative / autoregressive = {row['ratio']:.2f}, fused / autoregressive = "
-              f"{row['fused_ratio']:.2f} ({row['speculative']:.1f} / {row['fused']:.1f} / {row['autoregressive']:.1f} tok/s)",
-              flush=True)
+        row["coordinator_ngram_ratio"] = row["coordinator_ngram"] / row["autoregressive"]
+        print(f"  {n} clients: speculative / autoregressive = {row['ratio']:.2f}, n-gram in the coordinator / "
+              f"autoregressive = {row['coordinator_ngram_ratio']:.2f} ({row['speculative']:.1f} / "
+              f"{row['coordinator_ngram']:.1f} / {row['autoregressive']:.1f} tok/s)", flush=True)
         rows.append(row)
     return rows
 
@@ -210,24 +221,31 @@ def render(out: dict) -> str:
     lines += ["", "Cluster draft / verify ms per round are measured by the coordinator around its RPCs (network, "
               "batching window and the services' queues included); in-process ones around the calls. Target-only and "
               "fused requests run on the Verify service's own rounds (Verify.Run, streamed: no round waits for a round "
-              "trip), and their cluster verify ms per round is the time between rounds landing at the coordinator. "
-              "With adaptive k each side picks k from the costs it measures (an RPC's included), so their rounds "
-              "differ; the fixed-k row runs the same rounds on both sides. The cluster's speculative requests hand "
-              "their plain stretches (rounds that accepted no draft token) to Verify.Run; in-process the same "
-              "stretches are stepped one round at a time (generate(..., plain_stretches=True)), so the rounds match.", "",
+              "trip), and their cluster verify ms per round is the time between rounds landing at the coordinator; "
+              "so do speculative requests whose n-gram drafts are placed on the Verify service (the default when it "
+              "hosts that drafter). With adaptive k each side picks k from the costs it measures (an RPC's included), "
+              "so their rounds differ; the fixed-k row runs the same rounds on both sides. Speculative requests drafted "
+              "away from the Verify service hand their plain stretches (rounds that accepted no draft token) to "
+              "Verify.Run; in-process the same stretches are stepped one round at a time (generate(..., "
+              "plain_stretches=True)), so the rounds match.", "",
               f"## Aggregate tokens/s through the coordinator ({CONCURRENT_NEW_TOKENS} new tokens per request)", "",
               f"Each client asks the {len(PROMPTS)} prompts in turn; the modes take turns (the order reversed every other "
-              f"run), {AGGREGATE_REPEATS} runs each, medians. Speculative: n-gram drafts made in the coordinator, a Verify "
-              "call per round that may draft, and the plain stretches between (rounds that accepted nothing: 1, 2, 4, "
-              "... 16 rounds) as one bounded Verify.Run each; fused: the same n-gram drafter hosted on the Verify service, which steps the rounds itself "
-              "(Verify.Run), as autoregressive requests do. Drafted per round and acceptance: adaptive k's.", "",
-              "| clients | speculative tok/s | fused tok/s | autoregressive tok/s | speculative / autoregressive | "
-              "fused / autoregressive | drafted per round (speculative / fused) | acceptance (speculative / fused) |",
+              f"run), {AGGREGATE_REPEATS} runs each, medians. Speculative: `--mode speculative --drafter ngram` as a user "
+              "asks for it: the n-gram drafts are made on the Verify service, which hosts that drafter and steps the "
+              "rounds itself (Verify.Run; fused mode runs the same rounds). N-gram in the coordinator: the same request "
+              "to a coordinator with `ngram_placement: coordinator` (what runs when the Verify service hosts no n-gram "
+              "drafter): a Verify call per round that may draft, and the plain stretches between (rounds that accepted "
+              "nothing: 1, 2, 4, ... 16 rounds) as one bounded Verify.Run each. Drafted per round and acceptance: "
+              "adaptive k's.", "",
+              "| clients | speculative tok/s | n-gram in the coordinator tok/s | autoregressive tok/s | speculative / "
+              "autoregressive | n-gram in the coordinator / autoregressive | drafted per round (speculative / in the "
+              "coordinator) | acceptance (speculative / in the coordinator) |",
               "|---|---|---|---|---|---|---|---|"]
     for row in out.get("concurrency", []):
-        lines.append(f"| {row['clients']} | {row['speculative']:.1f} | {row['fused']:.1f} | {row['autoregressive']:.1f} | "
-                     f"{row['ratio']:.2f} | {row['fused_ratio']:.2f} | {row['speculative_drafted_per_round']:.2f} / "
-                     f"{row['fused_drafted_per_round']:.2f} | {row['speculative_acceptance']:.2f} / {row['fused_acceptance']:.2f} |")
+        lines.append(f"| {row['clients']} | {row['speculative']:.1f} | {row['coordinator_ngram']:.1f} | "
+                     f"{row['autoregressive']:.1f} | {row['ratio']:.2f} | {row['coordinator_ngram_ratio']:.2f} | "
+                     f"{row['speculative_drafted_per_round']:.2f} / {row['coordinator_ngram_drafted_per_round']:.2f} | "
+                     f"{row['speculative_acceptance']:.2f} / {row['coordinator_ngram_acceptance']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -242,13 +260,13 @@ def main() -> int:
         config = Path(tmp) / "cluster.yaml"
         config.write_text(yaml.safe_dump(cluster_config(folder)))
         with Cluster.from_yaml(config, log_dir=tmp) as cluster:
-            address = cluster.addresses["coordinator"]
+            addresses = cluster.addresses
             if "overhead" in parts:
                 print("overhead, one session:", flush=True)
-                out["overhead"] = overhead(address, folder, tokenizer)
+                out["overhead"] = overhead(addresses, folder, tokenizer)
             if "concurrency" in parts:
                 print("aggregate tokens/s:", flush=True)
-                out["concurrency"] = aggregate(address)
+                out["concurrency"] = aggregate(addresses)
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / "cluster.json").write_text(json.dumps(out, indent=2))

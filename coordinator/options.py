@@ -8,6 +8,7 @@ from servicekit.options import ServerOptions
 
 MODES = ("speculative", "fused", "autoregressive", "auto")
 DRAFTERS = ("service", "ngram", "none")
+NGRAM_PLACEMENTS = ("verify", "coordinator")
 SKELETON_LAYOUTS = ("batching", "one_sequence")  # common.proto BranchLayout, as config names
 
 
@@ -19,7 +20,10 @@ class CoordinatorOptions(ServerOptions):
     verify_addresses: str = "127.0.0.1:50052"  # Verify service replicas, comma-separated host:port
     router: str = "jsq2"  # replica choice at session open: round_robin | jsq2 | weighted_jsq (specmesh.routing)
     default_mode: str = "speculative"  # speculative | fused | autoregressive | auto (per question: coordinator/mode_choice.py)
-    default_drafter: str = "service"  # speculative / skeleton mode: service (the Draft service) | ngram (in the coordinator) | none
+    default_drafter: str = "service"  # speculative / skeleton mode: service (the Draft service) | ngram (prompt lookup) | none
+    # where a speculative request's n-gram drafts are made: verify (on the Verify service when it hosts
+    # the n-gram drafter: it steps the rounds itself, no round trip per draft) | coordinator (here)
+    ngram_placement: str = "verify"
     default_max_new_tokens: int = 256
     q_dtype: str = "float32"  # how draft distributions travel: float32 | float16 | bfloat16
     sparse_q: bool = False  # send only q's support

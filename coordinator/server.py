@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from coordinator.cascade import CascadeStages, load_stopper, parse_cascade_stages
-from coordinator.options import DRAFTERS, MODES, SKELETON_LAYOUTS, CoordinatorOptions
+from coordinator.options import DRAFTERS, MODES, NGRAM_PLACEMENTS, SKELETON_LAYOUTS, CoordinatorOptions
 from coordinator.pools import ServicePool, parse_addresses
 from coordinator.servicer import CoordinatorServicer
 from servicekit.channels import DEFAULT_OPTIONS, open_channel
@@ -28,6 +28,8 @@ def _check(options: CoordinatorOptions) -> None:
         raise ValueError(f"unknown default_mode {options.default_mode!r}; choose one of {', '.join(MODES)}")
     if options.default_drafter not in DRAFTERS:
         raise ValueError(f"unknown default_drafter {options.default_drafter!r}; choose one of {', '.join(DRAFTERS)}")
+    if options.ngram_placement not in NGRAM_PLACEMENTS:
+        raise ValueError(f"unknown ngram_placement {options.ngram_placement!r}; choose one of {', '.join(NGRAM_PLACEMENTS)}")
     if options.q_dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"q_dtype must be float32, float16 or bfloat16, got {options.q_dtype!r}")
     if options.skeleton_max_parallel < 1:
@@ -49,9 +51,10 @@ def _channel_factory(options: CoordinatorOptions):
     return open_downstream
 
 
-async def target_info(pool: ServicePool, deadline_s: float) -> tuple[TargetInfo, list[int] | None]:
-    """The target's vocab, context and EOS ids, from the first Verify replica that answers; and for an
-    encoder-decoder target the decoder prompt its generations start from (None: decoder-only)."""
+async def target_info(pool: ServicePool, deadline_s: float) -> tuple[TargetInfo, list[int] | None, str]:
+    """The target's vocab, context and EOS ids, from the first Verify replica that answers; for an
+    encoder-decoder target the decoder prompt its generations start from (None: decoder-only); and
+    the drafter the Verify service hosts ("" for none; replicas of one service share their config)."""
     last_error: Exception | None = None
     while time.monotonic() < deadline_s:
         for replica in pool.replicas.replicas:
@@ -60,7 +63,8 @@ async def target_info(pool: ServicePool, deadline_s: float) -> tuple[TargetInfo,
                     verify_pb2.VerifyGetInfoRequest(), timeout=2.0)
                 model = response.model
                 decoder_prompt = list(response.decoder_prompt_ids) if response.is_encoder_decoder else None
-                return TargetInfo(model.vocab_size, model.max_context_tokens, tuple(model.eos_token_ids)), decoder_prompt
+                info = TargetInfo(model.vocab_size, model.max_context_tokens, tuple(model.eos_token_ids))
+                return info, decoder_prompt, response.fused_drafter
             except grpc.aio.AioRpcError as exc:
                 last_error = exc
         await asyncio.sleep(0.5)
@@ -81,7 +85,7 @@ async def create_server(options: CoordinatorOptions) -> tuple[ServiceHandle, int
                         discovery_interval_s=options.discovery_interval_s)
     for pool in (verify, draft):  # before GetInfo: a dns / ray source that is empty at start is re-read meanwhile
         pool.start_health_checks(options.health_interval_s)
-    info, decoder_prompt_ids = await target_info(verify, time.monotonic() + INFO_WAIT_S)
+    info, decoder_prompt_ids, verify_drafter = await target_info(verify, time.monotonic() + INFO_WAIT_S)
     metrics = ServiceMetrics("coordinator")
     stages = parse_cascade_stages(options.cascade_stages)
     stopper = load_stopper(options.cascade_predictor, stages, options.cascade_lambda) if options.cascade_predictor else None
@@ -89,7 +93,7 @@ async def create_server(options: CoordinatorOptions) -> tuple[ServiceHandle, int
     if stopper is None and options.cascade_lambda != float("inf"):
         raise ValueError("a finite cascade_lambda needs a cascade_predictor (specmesh cascade train)")
     servicer = CoordinatorServicer(options, tokenizer, info, verify, draft, metrics, cascade,
-                                   decoder_prompt_ids=decoder_prompt_ids)
+                                   decoder_prompt_ids=decoder_prompt_ids, verify_drafter=verify_drafter)
 
     async def close_pools() -> None:
         await verify.close()

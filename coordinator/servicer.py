@@ -37,13 +37,14 @@ from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specmesh.routing.replica import NoHealthyReplica
 from specmesh.skeleton.automaton import SkeletonFormat
 
+NGRAM_ON_VERIFY = "ngram@verify"  # the stats' drafter of n-gram drafts placed on the Verify service
 READ_AHEAD_RESPONSES = 8  # rounds a stream may run ahead of a slow client before it waits
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(self, options: CoordinatorOptions, tokenizer, info: TargetInfo, verify: ServicePool, draft: ServicePool,
                  metrics: ServiceMetrics, cascade: CascadeStages | None = None, *,
-                 decoder_prompt_ids: Sequence[int] | None = None):
+                 decoder_prompt_ids: Sequence[int] | None = None, verify_drafter: str = ""):
         import torch
 
         self.options = options
@@ -56,6 +57,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         # an encoder-decoder target (T5, BART, ...): the request's text is the encoder's input, and every
         # generation starts from this decoder prompt; None for a decoder-only target
         self.decoder_prompt_ids = list(decoder_prompt_ids) if decoder_prompt_ids is not None else None
+        # a speculative request's n-gram drafts are made on the Verify service when it hosts that drafter
+        # (an n-gram lookup reads only the session's own tokens, which live there): its rounds then run as
+        # fused ones, with no round trip per draft; else (or ngram_placement: coordinator) here
+        self.ngram_on_verify = options.ngram_placement == "verify" and verify_drafter == "ngram"
         self.q_dtype = getattr(torch, options.q_dtype)
         self.totals = SpecStats()
         self.num_requests = self.num_active = self.num_failed = self.num_failovers = 0
@@ -147,6 +152,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                      params: SamplingParams, calls: Calls, failovers: Failovers,
                      encoder_ids: Sequence[int] = ()) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The speculative, fused and autoregressive modes: one stream, on the main branch (-1)."""
+        placed_on_verify = (mode == "speculative" and drafter_kind == "ngram" and self.ngram_on_verify
+                            and request.cascade in ("", NO_CASCADE))
+        if placed_on_verify:
+            mode = "fused"
         verifier = FailoverVerifier(self.verify, self.info, calls, failovers, sparse_q=self.options.sparse_q,
                                     encoder_input_ids=encoder_ids)
         drafter = None
@@ -171,6 +180,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 if event.finish_reason is not None:
                     response.finish_reason = FINISH_TO_PB[event.finish_reason]
                     response.stats.CopyFrom(self._final_stats(event.stats, mode, drafter, failovers))
+                    if placed_on_verify:
+                        response.stats.drafter = NGRAM_ON_VERIFY
                     if isinstance(outer, NamedCascade):
                         response.stats.cascade_stages.extend(cascade_stats_pb(outer))
                         response.stats.lossy |= bool(adaptive_stats(outer)["lossy"])

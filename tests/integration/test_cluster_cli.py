@@ -187,7 +187,7 @@ def test_requests_spread_over_replicas_and_equal_greedy(launched):
     expected = generate(TargetVerifier(load_engine(target, dtype="float64")), None, prompt_ids,
                         SamplingParams(temperature=0, max_new_tokens=16)).token_ids
     assert all(r.token_ids == expected and not r.error_message for r in results)
-    assert {r.stats.drafter for r in results} == {"fused", "ngram"}  # no Draft service: n-grams in the coordinator
+    assert {r.stats.drafter for r in results} == {"fused", "ngram@verify"}  # no Draft service: n-grams where the Verify service has them
     assert sorted(r.address for r in stats.replicas if r.kind == "verify") == sorted(
         services[name][1] for name in ("verify-0", "verify-1"))
     assert all(r.healthy and r.in_flight == 0 for r in stats.replicas)

@@ -9,6 +9,7 @@ import asyncio
 
 import grpc
 import pytest
+import torch
 
 from client.wire_loop import channel
 from coordinator.options import CoordinatorOptions
@@ -67,17 +68,23 @@ async def _collect(address: str, request) -> tuple[list[int], coordinator_pb2.Ge
 class Cluster:
     """Verify replicas, a Draft service and a Coordinator over them, started in the test's loop thread."""
 
-    def __init__(self, target: str, num_verify: int = 1, **coordinator_options):
+    def __init__(self, target: str, num_verify: int = 1, device: str = "cpu", **coordinator_options):
         self.services = BackgroundServices()
-        common = dict(model=target, dtype="float64", port=0)
+        common = dict(model=target, dtype="float64", port=0, device=device)
         self.verify = [self.services.start(create_verify(VerifyOptions(**common, batch_window_ms=5.0, max_kv_tokens=16384)))
                        for _ in range(num_verify)]
-        self.draft = self.services.start(create_draft(DraftOptions(model=target, dtype="float64", port=0)))
-        self.coordinator = self.services.start(create_coordinator(CoordinatorOptions(
-            model=target, port=0, health_interval_s=0.2,
-            verify_addresses=",".join(f"127.0.0.1:{h.port}" for h in self.verify),
-            draft_addresses=f"127.0.0.1:{self.draft.port}", **coordinator_options)))
+        self.draft = self.services.start(create_draft(DraftOptions(model=target, dtype="float64", port=0, device=device)))
+        links = dict(model=target, port=0, health_interval_s=0.2, draft_addresses=f"127.0.0.1:{self.draft.port}",
+                     verify_addresses=",".join(f"127.0.0.1:{h.port}" for h in self.verify))
+        self.coordinator = self.services.start(create_coordinator(CoordinatorOptions(**links, **coordinator_options)))
         self.address = f"127.0.0.1:{self.coordinator.port}"
+        # a second coordinator over the same services that makes n-gram drafts itself (ngram_placement)
+        here = {"ngram_placement": "coordinator", **coordinator_options}
+        self.ngram_here = self.services.start(create_coordinator(CoordinatorOptions(**links, **here)))
+        self.ngram_here_address = f"127.0.0.1:{self.ngram_here.port}"
+
+    def address_for(self, placement: str) -> str:
+        return self.ngram_here_address if placement == "coordinator" else self.address
 
     def stop(self, handle) -> None:
         self.services.stop(handle)
@@ -99,17 +106,45 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-@pytest.mark.parametrize("mode,drafter,k", [("speculative", "service", 4), ("speculative", "ngram", 3), ("speculative", "service", 0),
-                                            ("fused", "", 3), ("autoregressive", "", 0)])
-def test_greedy_through_the_coordinator_equals_target_only(cluster, target, tokenizer, mode, drafter, k):
-    tokens, last = _run(_collect(cluster.address, _request(PROMPT, mode, drafter, k)))
+@pytest.mark.parametrize("mode,drafter,k,placement,drafted_by", [
+    ("speculative", "service", 4, "verify", "draft-service"), ("speculative", "service", 0, "verify", "draft-service"),
+    ("speculative", "ngram", 3, "verify", "ngram@verify"),  # the Verify service hosts the n-gram drafter: drafts there
+    ("speculative", "ngram", 3, "coordinator", "ngram"), ("speculative", "ngram", 0, "coordinator", "ngram"),
+    ("fused", "", 3, "verify", "fused"), ("autoregressive", "", 0, "verify", "")])
+def test_greedy_through_the_coordinator_equals_target_only(cluster, target, tokenizer, mode, drafter, k, placement,
+                                                           drafted_by):
+    tokens, last = _run(_collect(cluster.address_for(placement), _request(PROMPT, mode, drafter, k)))
     assert tokens == _reference(target, tokenizer, PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=40))
     assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert last.stats.num_generated_tokens == 40 and last.stats.num_failovers == 0
     if mode != "autoregressive":
         assert last.stats.num_draft_tokens > 0
-    assert last.stats.drafter == {"speculative": drafter, "fused": "fused", "autoregressive": ""}[mode].replace(
-        "service", "draft-service")
+    assert last.stats.drafter == drafted_by
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_services_on_a_cuda_device_give_the_cpu_tokens(target, tokenizer):
+    """Draft and Verify services on CUDA (every mode, 8 streams at once, batched): the CPU engine's
+    greedy tokens, so no tensor is left on the wrong device along the services' paths."""
+    params = SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=40)
+    prompts = [f"{PROMPT} {i}" for i in range(8)]
+    with Cluster(target, device="cuda") as c:
+        cases = [("speculative", "service", 4, "verify"), ("speculative", "service", 0, "verify"),
+                 ("speculative", "ngram", 0, "verify"), ("speculative", "ngram", 3, "coordinator"),
+                 ("fused", "", 0, "verify"), ("autoregressive", "", 0, "verify")]
+        for mode, drafter, k, placement in cases:
+            tokens, last = _run(_collect(c.address_for(placement), _request(PROMPT, mode, drafter, k)))
+            assert tokens == _reference(target, tokenizer, PROMPT, params), (mode, drafter, k, placement)
+            assert last.stats.num_failovers == 0
+        engine = c.verify[0].servicer.engine
+        forwards, sessions = engine.stats.num_forwards, engine.stats.num_sequences_forwarded
+
+        async def many():
+            return await asyncio.gather(*(_collect(c.address, _request(p, "speculative", "service", 0)) for p in prompts))
+
+        for prompt, (tokens, _) in zip(prompts, _run(many())):
+            assert tokens == _reference(target, tokenizer, prompt, params)
+        assert (engine.stats.num_sequences_forwarded - sessions) / (engine.stats.num_forwards - forwards) > 1.5
 
 
 def test_rounds_driven_by_the_coordinator_give_the_same_tokens(target, tokenizer):
@@ -136,7 +171,7 @@ def test_plain_stretches_of_a_speculative_request_run_on_the_verify_service(clus
         return registry.get_sample_value("specmesh_requests_total", {"method": method, "code": "OK"}) or 0.0
 
     before = calls("Run"), calls("Verify")
-    tokens, last = _run(_collect(cluster.address, _request(PROMPT, "speculative", "ngram", 0, max_new_tokens=80)))
+    tokens, last = _run(_collect(cluster.ngram_here_address, _request(PROMPT, "speculative", "ngram", 0, max_new_tokens=80)))
     assert tokens == _reference(target, tokenizer, PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=80))
     stretches, single_rounds = calls("Run") - before[0], calls("Verify") - before[1]
     assert stretches >= 3  # 1, 2, 4, 8 ... rounds each
@@ -144,10 +179,11 @@ def test_plain_stretches_of_a_speculative_request_run_on_the_verify_service(clus
     assert single_rounds < rounds / 2  # most rounds ran inside stretches
 
 
-def test_seeded_sampling_equals_the_in_process_run(cluster, target, tokenizer):
+@pytest.mark.parametrize("placement", ["verify", "coordinator"])
+def test_seeded_sampling_equals_the_in_process_run(cluster, target, tokenizer, placement):
     params = SamplingParams(temperature=1.2, seed=7, ignore_eos=True, max_new_tokens=30)
-    tokens, _ = _run(_collect(cluster.address, _request(PROMPT, "speculative", "ngram", 3, temperature=1.2, seed=7,
-                                                         max_new_tokens=30)))
+    tokens, _ = _run(_collect(cluster.address_for(placement), _request(PROMPT, "speculative", "ngram", 3, temperature=1.2,
+                                                                       seed=7, max_new_tokens=30)))
     # n-gram drafts are deterministic: the seeded speculative run equals plain sampling (rejection.py)
     assert tokens == _reference(target, tokenizer, PROMPT, params)
     assert tokens == _reference(target, tokenizer, PROMPT, params, PromptLookupDrafter(min_n=1, max_n=4))
@@ -243,7 +279,7 @@ MOVE_TOKENS = 200
 @pytest.mark.parametrize("mode,drafter,k", [("speculative", "ngram", 3), ("autoregressive", "", 0), ("fused", "", 0)])
 def test_a_dead_verify_replica_moves_the_stream_with_no_token_lost(target, tokenizer, mode, drafter, k):
     """Per-round Verify calls, and the streamed rounds of Run (autoregressive and fused modes)."""
-    with Cluster(target, num_verify=2) as c:
+    with Cluster(target, num_verify=2, ngram_placement="coordinator") as c:  # speculative: a Verify call per round
         request = _request(PROMPT, mode, drafter, k, max_new_tokens=MOVE_TOKENS)  # long enough to be mid-stream at the kill
         used: list = []
 
