@@ -39,6 +39,10 @@ class AttentionBatch:
     batch_size: int
     max_new: int  # T
     key_range: tuple[int, int] | None = None  # (first slot, K) when B == 1 and its slots are contiguous
+    # set instead of the masks, slots and indices above: the sequences split into parts by their number
+    # of new tokens (decode rows apart from a draft's), each padded only to its own T; per part the
+    # packed rows [n] of its tokens and its own attention batch
+    parts: list[tuple[torch.Tensor, AttentionBatch]] | None = None
 
 
 @dataclass
@@ -145,7 +149,7 @@ class LlamaFamilyModel:
             qk = apply_rope(qk, cos, sin)
             q, k, v = qk[:, : c.num_heads], qk[:, c.num_heads :], qkv[:, num_qk_heads:]
             cache.write(index, batch.new_slots, k, v)
-            attn = self._attention(index, q, batch, cache, batch.masks[layer.sliding_window])
+            attn = self._attention(index, q, batch, cache, layer.sliding_window)
             x = x + layer.o(attn)
             h = rms_norm(x, layer.post_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
@@ -153,8 +157,15 @@ class LlamaFamilyModel:
         h = rms_norm(x.index_select(0, logits_rows), self.final_norm, eps)
         return self.lm_head(h).float()
 
-    def _attention(self, layer_index: int, q: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache, mask) -> torch.Tensor:
-        """q: [N, heads, head_dim] -> [N, heads * head_dim]."""
+    def _attention(self, layer_index: int, q: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache,
+                   window: int | None) -> torch.Tensor:
+        """q: [N, heads, head_dim] -> [N, heads * head_dim]; `window`: the layer's sliding window (None: full)."""
+        if batch.parts is not None:
+            out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+            for rows, part in batch.parts:
+                out.index_copy_(0, rows, self._attention(layer_index, q.index_select(0, rows), part, cache, window))
+            return out
+        mask = batch.masks[window]
         if self.invariant_attention:
             out = self._invariant_attention(layer_index, q, batch, cache, mask)
             if out is not None:

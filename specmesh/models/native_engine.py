@@ -116,6 +116,7 @@ class NativeEngine:
         self.cache = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, model.dtype, model.device)
         self._windows = sorted(set(c.sliding_windows), key=lambda w: -1 if w is None else w)
         self._last_forward: dict[int, tuple[int, list[int] | None, int]] = {}  # seq -> (start, parents, num_new)
+        self.split_attention = True  # decode rows attended apart from multi-token ones (`_splits`); off: one padded batch
 
     # sequences
     def new_sequence(self) -> int:
@@ -219,12 +220,42 @@ class NativeEngine:
         rows = attention_rows(batch)
         if len(rows) < len(batch):
             attention = self._grouped_attention(batch, rows, starts, new_slots, positions)
+        elif self._splits(batch):
+            attention = self._split_attention(batch, starts, new_slots, positions)
         else:
             attention = self._per_sequence_attention(batch, starts, new_slots, positions)
         device = self.device
         token_ids_t = torch.tensor(token_ids, dtype=torch.long, device=device)
         logits_rows_t = torch.tensor(logits_rows, dtype=torch.long, device=device)
         return attention, token_ids_t, logits_rows_t
+
+    def _splits(self, batch: Sequence[SeqInput]) -> bool:
+        """Whether padding every sequence to the longest one's new tokens would more than double the
+        attention's queries (a prefill chunk or a long draft among decode steps): then decode rows and
+        the others are attended apart (one decode row padded to a 256-token chunk costs 256 queries of
+        attention over its whole context). Not for a batch-invariant model, whose attention pads nothing."""
+        if not self.split_attention or len(batch) < 2 or self.model.invariant_attention:
+            return False
+        counts = [len(item.token_ids) for item in batch]
+        return 1 in counts and len(batch) * max(counts) > 2 * sum(counts)
+
+    def _split_attention(self, batch: Sequence[SeqInput], starts: list[int], new_slots: list[int],
+                         positions: list[int]) -> AttentionBatch:
+        """Sequences with one new token in one part, the rest in another (`AttentionBatch.parts`)."""
+        offsets = [0]
+        for item in batch:
+            offsets.append(offsets[-1] + len(item.token_ids))
+        parts = []
+        for members in ([i for i, item in enumerate(batch) if len(item.token_ids) == 1],
+                        [i for i, item in enumerate(batch) if len(item.token_ids) > 1]):
+            rows = [r for i in members for r in range(offsets[i], offsets[i + 1])]
+            part = self._per_sequence_attention([batch[i] for i in members], [starts[i] for i in members],
+                                                [new_slots[r] for r in rows], [positions[r] for r in rows])
+            parts.append((torch.tensor(rows, dtype=torch.long, device=self.device), part))
+        return AttentionBatch(positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+                              new_slots=torch.tensor(new_slots, dtype=torch.long, device=self.device), key_slots=None,
+                              masks={}, query_index=None, output_index=None, batch_size=len(batch),
+                              max_new=max(len(item.token_ids) for item in batch), parts=parts)
 
     def _per_sequence_attention(self, batch: Sequence[SeqInput], starts: list[int], new_slots: list[int],
                                 positions: list[int]) -> AttentionBatch:

@@ -1,5 +1,8 @@
 """Ragged batches, token trees and KV operations of the native engine, checked against plain runs."""
 
+import json
+import shutil
+
 import pytest
 import torch
 from engine_helpers import random_ids, run_alone
@@ -16,18 +19,36 @@ def engine(tiny_model_dir):
     return load_engine(tiny_model_dir("qwen3"), dtype="float64", max_kv_tokens=1024, block_size=4)
 
 
+@pytest.fixture(scope="module")
+def windowed(tiny_model_dir, tmp_path_factory):
+    """Mistral with a sliding window shorter than the sequences below."""
+    path = tmp_path_factory.mktemp("mistral-window")
+    shutil.copytree(tiny_model_dir("mistral"), path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    config["sliding_window"] = 6
+    (path / "config.json").write_text(json.dumps(config))
+    return load_engine(path, dtype="float64", max_kv_tokens=1024, block_size=4)
+
+
 def prefilled(engine, ids):
     seq = engine.new_sequence()
     engine.forward([SeqInput(seq, ids, [len(ids) - 1])])
     return seq
 
 
-def test_ragged_batch_equals_each_sequence_alone(engine):
+@pytest.mark.parametrize("shapes,split", [
     # (cached length, new tokens): decode, verify k+1, a prefill from nothing, a long prefill on a cache
-    shapes = [(9, 1), (3, 5), (0, 17), (21, 9), (6, 1)]
+    ([(9, 1), (3, 5), (0, 17), (21, 9), (6, 1)], True),  # decode rows attended apart from the others
+    ([(9, 2), (3, 5), (4, 3)], False),  # no decode row: one padded attention
+    ([(9, 1), (12, 1), (3, 1), (30, 1), (7, 1), (20, 1), (11, 1), (5, 9)], True),  # one session's draft among decode steps
+])
+@pytest.mark.parametrize("model", ["qwen3", "mistral-window-6"])
+def test_ragged_batch_equals_each_sequence_alone(engine, windowed, model, shapes, split):
+    engine = engine if model == "qwen3" else windowed
     histories = [random_ids(engine.vocab_size, c + n, seed=10 + i) for i, (c, n) in enumerate(shapes)]
     seqs = [prefilled(engine, h[:c]) if c else engine.new_sequence() for h, (c, _) in zip(histories, shapes)]
     batch = [SeqInput(s, h[c:], list(range(n))[::-1]) for s, h, (c, n) in zip(seqs, histories, shapes)]
+    assert engine._splits(batch) == split
     got = engine.forward(batch)
     for logits, h, (c, n) in zip(got, histories, shapes):
         alone = run_alone(engine, h, [c, n] if c else [n])[c:]
