@@ -206,7 +206,7 @@ class SpeculationUsage(BaseModel):
     num_target_forwards: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
-    drafter: str = ""  # the drafter that finished the request(s): draft-service | ngram | fused | "" (target only)
+    drafter: str = ""  # the drafter that finished the request(s): draft-service | ngram | ngram@verify | fused | "" (target only)
     num_failovers: int = 0
     failovers: list[str] = Field(default_factory=list)
     seeds: list[int] = Field(default_factory=list)  # per choice: the seed that was used
