@@ -12,7 +12,7 @@
    prompts one after the other (the same work in every mode); the modes take turns,
    AGGREGATE_REPEATS times, and the medians are compared.
 
-    .venv/bin/python bench/cluster.py            # ~12 minutes; writes bench/results/cluster.{json,md}
+    .venv/bin/python bench/cluster.py            # ~15 minutes; writes bench/results/cluster.{json,md}
     SPECMESH_BENCH_PARTS=concurrency .venv/bin/python bench/cluster.py   # one part (overhead, concurrency)
 Medians over prompts and repeats; ratios come from one run.
 """
@@ -59,7 +59,7 @@ PROMPTS = [
 ]
 CONCURRENCY = (1, 4, 16)
 CONCURRENT_NEW_TOKENS = 32
-AGGREGATE_REPEATS = 5
+AGGREGATE_REPEATS = {1: 3, 4: 5, 16: 9}  # runs per mode; the loaded, noisiest row gets the most
 SPEC, FUSED, AR = (coordinator_pb2.GENERATION_MODE_SPECULATIVE, coordinator_pb2.GENERATION_MODE_FUSED,
                    coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE)
 HERE = "coordinator-ngram-here"  # a second coordinator, ngram_placement: coordinator (n-gram drafts made there)
@@ -183,7 +183,7 @@ def aggregate(addresses: dict[str, str]) -> list[dict]:
     rows = []
     for n in CONCURRENCY:
         runs: dict[str, list[dict]] = {name: [] for name in modes}
-        for repeat in range(AGGREGATE_REPEATS):
+        for repeat in range(AGGREGATE_REPEATS[n]):
             for name in (list(modes) if repeat % 2 == 0 else list(modes)[::-1]):
                 coordinator, mode, drafter = modes[name]
                 runs[name].append(asyncio.run(concurrent(addresses[coordinator], n, mode, drafter)))
@@ -195,6 +195,8 @@ def aggregate(addresses: dict[str, str]) -> list[dict]:
             row[f"{name}_acceptance"] = statistics.median(r["acceptance"] for r in runs[name])
         row["ratio"] = row["speculative"] / row["autoregressive"]
         row["coordinator_ngram_ratio"] = row["coordinator_ngram"] / row["autoregressive"]
+        # runs of one repeat are close in time: their ratios show the noise between repeats
+        row["paired_ratios"] = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["speculative"], runs["autoregressive"])]
         print(f"  {n} clients: speculative / autoregressive = {row['ratio']:.2f}, n-gram in the coordinator / "
               f"autoregressive = {row['coordinator_ngram_ratio']:.2f} ({row['speculative']:.1f} / "
               f"{row['coordinator_ngram']:.1f} / {row['autoregressive']:.1f} tok/s)", flush=True)
@@ -230,22 +232,25 @@ def render(out: dict) -> str:
               "plain_stretches=True)), so the rounds match.", "",
               f"## Aggregate tokens/s through the coordinator ({CONCURRENT_NEW_TOKENS} new tokens per request)", "",
               f"Each client asks the {len(PROMPTS)} prompts in turn; the modes take turns (the order reversed every other "
-              f"run), {AGGREGATE_REPEATS} runs each, medians. Speculative: `--mode speculative --drafter ngram` as a user "
+              f"run), {', '.join(f'{r} runs each at {n} clients' for n, r in AGGREGATE_REPEATS.items())}; medians. Speculative: `--mode speculative --drafter ngram` as a user "
               "asks for it: the n-gram drafts are made on the Verify service, which hosts that drafter and steps the "
               "rounds itself (Verify.Run; fused mode runs the same rounds). N-gram in the coordinator: the same request "
               "to a coordinator with `ngram_placement: coordinator` (what runs when the Verify service hosts no n-gram "
               "drafter): a Verify call per round that may draft, and the plain stretches between (rounds that accepted "
               "nothing: 1, 2, 4, ... 16 rounds) as one bounded Verify.Run each. Drafted per round and acceptance: "
-              "adaptive k's.", "",
+              "adaptive k's. Paired: speculative / autoregressive within each repeat (lowest, median, "
+              "highest): the noise between repeats.", "",
               "| clients | speculative tok/s | n-gram in the coordinator tok/s | autoregressive tok/s | speculative / "
               "autoregressive | n-gram in the coordinator / autoregressive | drafted per round (speculative / in the "
-              "coordinator) | acceptance (speculative / in the coordinator) |",
-              "|---|---|---|---|---|---|---|---|"]
+              "coordinator) | acceptance (speculative / in the coordinator) | paired speculative / autoregressive |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for row in out.get("concurrency", []):
+        pairs = row["paired_ratios"]
         lines.append(f"| {row['clients']} | {row['speculative']:.1f} | {row['coordinator_ngram']:.1f} | "
                      f"{row['autoregressive']:.1f} | {row['ratio']:.2f} | {row['coordinator_ngram_ratio']:.2f} | "
                      f"{row['speculative_drafted_per_round']:.2f} / {row['coordinator_ngram_drafted_per_round']:.2f} | "
-                     f"{row['speculative_acceptance']:.2f} / {row['coordinator_ngram_acceptance']:.2f} |")
+                     f"{row['speculative_acceptance']:.2f} / {row['coordinator_ngram_acceptance']:.2f} | "
+                     f"{min(pairs):.2f} / {statistics.median(pairs):.2f} / {max(pairs):.2f} |")
     return "\n".join(lines) + "\n"
 
 
