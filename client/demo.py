@@ -80,6 +80,12 @@ async def _through_the_coordinator(address: str, runs: list[Run]) -> None:
     from client.coordinator_client import CoordinatorClient
 
     async with CoordinatorClient(address) as client:
+        # the in-process side ran before, warm; the services' first forwards still pay one-time costs
+        # (weight prepacking, allocator growth), so one short untimed request per drafter goes first
+        print("\nwarming up the services (one 8-token request per drafter, untimed) ...", flush=True)
+        for drafter in dict.fromkeys("ngram" if run.drafter == "ngram" else "service" for run in runs):
+            await client.collect([{"role": "user", "content": runs[0].prompt}], mode="speculative", drafter=drafter,
+                                 max_new_tokens=8)
         for run in runs:
             drafter = "ngram" if run.drafter == "ngram" else "service"
             print(f"\nuser: {run.prompt}\nassistant: ", end="", flush=True)
