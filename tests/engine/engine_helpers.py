@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
 
 from specmesh.models.engine import SeqInput
@@ -28,3 +32,12 @@ def run_alone(engine, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
 def random_ids(vocab_size: int, length: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab_size, (length,), generator=generator).tolist()
+
+
+def with_sliding_window(folder: str | Path, path: Path, window: int) -> Path:
+    """A copy of the model at `folder` in `path` whose config has `sliding_window = window`."""
+    shutil.copytree(folder, path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    config["sliding_window"] = window
+    (path / "config.json").write_text(json.dumps(config))
+    return path

@@ -1,11 +1,8 @@
 """Ragged batches, token trees and KV operations of the native engine, checked against plain runs."""
 
-import json
-import shutil
-
 import pytest
 import torch
-from engine_helpers import random_ids, run_alone
+from engine_helpers import random_ids, run_alone, with_sliding_window
 
 from specmesh.kv.errors import OutOfBlocksError
 from specmesh.models.engine import NO_PARENT, ContextLengthError, SeqInput
@@ -22,11 +19,7 @@ def engine(tiny_model_dir):
 @pytest.fixture(scope="module")
 def windowed(tiny_model_dir, tmp_path_factory):
     """Mistral with a sliding window shorter than the sequences below."""
-    path = tmp_path_factory.mktemp("mistral-window")
-    shutil.copytree(tiny_model_dir("mistral"), path, dirs_exist_ok=True)
-    config = json.loads((path / "config.json").read_text())
-    config["sliding_window"] = 6
-    (path / "config.json").write_text(json.dumps(config))
+    path = with_sliding_window(tiny_model_dir("mistral"), tmp_path_factory.mktemp("mistral-window"), 6)
     return load_engine(path, dtype="float64", max_kv_tokens=1024, block_size=4)
 
 

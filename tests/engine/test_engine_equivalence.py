@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from engine_helpers import hf_logits, random_ids, run_alone
+from engine_helpers import hf_logits, random_ids, run_alone, with_sliding_window
 from transformers import AutoModelForCausalLM
 
 from specmesh.models.load import load_engine
@@ -64,14 +64,7 @@ def test_engine_metadata(tiny_model_dir):
 
 
 def test_mistral_sliding_window_matches_transformers(tiny_model_dir, tmp_path):
-    import json
-    import shutil
-
-    path = tmp_path / "mistral-window"
-    shutil.copytree(tiny_model_dir("mistral"), path)
-    config = json.loads((path / "config.json").read_text())
-    config["sliding_window"] = 6
-    (path / "config.json").write_text(json.dumps(config))
+    path = with_sliding_window(tiny_model_dir("mistral"), tmp_path / "mistral-window", 6)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
     engine = load_engine(path, dtype="float64")
     assert set(engine.model.config.sliding_windows) == {6}

@@ -5,12 +5,9 @@ of one prefix, as Skeleton-of-Thought's branches are, with decode steps, verify 
 rollbacks inside a member's own region.
 """
 
-import json
-import shutil
-
 import pytest
 import torch
-from engine_helpers import random_ids, run_alone
+from engine_helpers import random_ids, run_alone, with_sliding_window
 
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
@@ -28,11 +25,7 @@ def engine(request, tiny_model_dir, tmp_path_factory):
     if request.param == "qwen3":
         path = tiny_model_dir("qwen3")
     else:  # a sliding window shorter than these sequences: the window applies per member, by its own positions
-        path = tmp_path_factory.mktemp("mistral-window")
-        shutil.copytree(tiny_model_dir("mistral"), path, dirs_exist_ok=True)
-        config = json.loads((path / "config.json").read_text())
-        config["sliding_window"] = 6
-        (path / "config.json").write_text(json.dumps(config))
+        path = with_sliding_window(tiny_model_dir("mistral"), tmp_path_factory.mktemp("mistral-window"), 6)
     return load_engine(path, dtype="float64", max_kv_tokens=2048, block_size=4)
 
 
