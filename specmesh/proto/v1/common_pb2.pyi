@@ -454,6 +454,41 @@ class KvUsage(_message.Message):
 Global___KvUsage: _TypeAlias = KvUsage  # noqa: Y015
 
 @_typing.final
+class ProcessInfo(_message.Message):
+    """The serving process, as its launcher started it: a supervisor restarts a process that exited and
+    tells the new one how many times it did (and why the last one ended), so `specmesh health` shows it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    NUM_RESTARTS_FIELD_NUMBER: _builtins.int
+    UPTIME_S_FIELD_NUMBER: _builtins.int
+    LAST_EXIT_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    num_restarts: _builtins.int
+    """times the launcher restarted this service (0: the first start)"""
+    uptime_s: _builtins.float
+    """since this process started"""
+    last_exit: _builtins.str
+    """how the previous process ended, e.g. "killed by SIGKILL"; "" on the first start"""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        num_restarts: _builtins.int = ...,
+        uptime_s: _builtins.float = ...,
+        last_exit: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_exit", b"last_exit", "num_restarts", b"num_restarts", "pid", b"pid", "uptime_s", b"uptime_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProcessInfo: _TypeAlias = ProcessInfo  # noqa: Y015
+
+@_typing.final
 class ModelInfo(_message.Message):
     """Static facts about a served model, so peers can check they agree (vocab, tokenizer, EOS)."""
 

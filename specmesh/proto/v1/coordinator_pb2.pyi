@@ -487,6 +487,7 @@ class GetStatsResponse(_message.Message):
     NUM_FAILED_REQUESTS_FIELD_NUMBER: _builtins.int
     NUM_FAILOVERS_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
     num_requests: _builtins.int
     num_generated_tokens: _builtins.int
     num_active_requests: _builtins.int
@@ -498,6 +499,10 @@ class GetStatsResponse(_message.Message):
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaStatus]:
         """every downstream service replica the coordinator knows"""
 
+    @_builtins.property
+    def process(self) -> _common_pb2.ProcessInfo:
+        """the coordinator's own process: restarts by its launcher, uptime"""
+
     def __init__(
         self,
         *,
@@ -508,10 +513,11 @@ class GetStatsResponse(_message.Message):
         num_failed_requests: _builtins.int = ...,
         num_failovers: _builtins.int = ...,
         replicas: _abc.Iterable[Global___ReplicaStatus] | None = ...,
+        process: _common_pb2.ProcessInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["totals", b"totals"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["process", b"process", "totals", b"totals"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_active_requests", b"num_active_requests", "num_failed_requests", b"num_failed_requests", "num_failovers", b"num_failovers", "num_generated_tokens", b"num_generated_tokens", "num_requests", b"num_requests", "replicas", b"replicas", "totals", b"totals"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_active_requests", b"num_active_requests", "num_failed_requests", b"num_failed_requests", "num_failovers", b"num_failovers", "num_generated_tokens", b"num_generated_tokens", "num_requests", b"num_requests", "process", b"process", "replicas", b"replicas", "totals", b"totals"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -525,12 +531,15 @@ class ReplicaStatus(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     HEALTHY_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    NUM_READMISSIONS_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """"draft" or "verify" """
     address: _builtins.str
     healthy: _builtins.bool
     in_flight: _builtins.int
     """requests of this coordinator on it now"""
+    num_readmissions: _builtins.int
+    """times its health checks saw it come back after it was down"""
     def __init__(
         self,
         *,
@@ -538,10 +547,11 @@ class ReplicaStatus(_message.Message):
         address: _builtins.str = ...,
         healthy: _builtins.bool = ...,
         in_flight: _builtins.int = ...,
+        num_readmissions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "healthy", b"healthy", "in_flight", b"in_flight", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "healthy", b"healthy", "in_flight", b"in_flight", "kind", b"kind", "num_readmissions", b"num_readmissions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

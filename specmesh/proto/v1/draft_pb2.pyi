@@ -241,6 +241,7 @@ class DraftGetInfoResponse(_message.Message):
     DRAFTER_FIELD_NUMBER: _builtins.int
     KV_FIELD_NUMBER: _builtins.int
     IS_ENCODER_DECODER_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
     drafter: _builtins.str
     """"model" or "ngram" """
     is_encoder_decoder: _builtins.bool
@@ -251,6 +252,10 @@ class DraftGetInfoResponse(_message.Message):
     def kv(self) -> _common_pb2.KvUsage:
         """the drafter model's KV pool (empty for n-gram drafters)"""
 
+    @_builtins.property
+    def process(self) -> _common_pb2.ProcessInfo:
+        """this process: restarts by its launcher, uptime"""
+
     def __init__(
         self,
         *,
@@ -258,10 +263,11 @@ class DraftGetInfoResponse(_message.Message):
         drafter: _builtins.str = ...,
         kv: _common_pb2.KvUsage | None = ...,
         is_encoder_decoder: _builtins.bool = ...,
+        process: _common_pb2.ProcessInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model", "process", b"process"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drafter", b"drafter", "is_encoder_decoder", b"is_encoder_decoder", "kv", b"kv", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drafter", b"drafter", "is_encoder_decoder", b"is_encoder_decoder", "kv", b"kv", "model", b"model", "process", b"process"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -252,19 +252,25 @@ class StageGetInfoResponse(_message.Message):
 
     MODEL_FIELD_NUMBER: _builtins.int
     KV_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def model(self) -> _common_pb2.ModelInfo: ...
     @_builtins.property
     def kv(self) -> _common_pb2.KvUsage: ...
+    @_builtins.property
+    def process(self) -> _common_pb2.ProcessInfo:
+        """this process: restarts by its launcher, uptime"""
+
     def __init__(
         self,
         *,
         model: _common_pb2.ModelInfo | None = ...,
         kv: _common_pb2.KvUsage | None = ...,
+        process: _common_pb2.ProcessInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model", "process", b"process"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model", "process", b"process"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

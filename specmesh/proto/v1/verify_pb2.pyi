@@ -683,6 +683,7 @@ class VerifyGetInfoResponse(_message.Message):
     MAX_FORK_CHILDREN_FIELD_NUMBER: _builtins.int
     IS_ENCODER_DECODER_FIELD_NUMBER: _builtins.int
     DECODER_PROMPT_IDS_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
     fused_drafter: _builtins.str
     """drafter hosted for Step, "" if none"""
     max_batch_tokens: _builtins.int
@@ -703,6 +704,12 @@ class VerifyGetInfoResponse(_message.Message):
     def decoder_prompt_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """encoder-decoder targets: the decoder prompt generation starts from"""
 
+    @_builtins.property
+    def process(self) -> _common_pb2.ProcessInfo:
+        """(decoder_start_token_id, then a forced first token if the model has one)
+        this process: restarts by its launcher, uptime
+        """
+
     def __init__(
         self,
         *,
@@ -714,10 +721,11 @@ class VerifyGetInfoResponse(_message.Message):
         max_fork_children: _builtins.int = ...,
         is_encoder_decoder: _builtins.bool = ...,
         decoder_prompt_ids: _abc.Iterable[_builtins.int] | None = ...,
+        process: _common_pb2.ProcessInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv", "model", b"model", "process", b"process"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decoder_prompt_ids", b"decoder_prompt_ids", "fused_drafter", b"fused_drafter", "is_encoder_decoder", b"is_encoder_decoder", "kv", b"kv", "max_batch_tokens", b"max_batch_tokens", "max_draft_tokens", b"max_draft_tokens", "max_fork_children", b"max_fork_children", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decoder_prompt_ids", b"decoder_prompt_ids", "fused_drafter", b"fused_drafter", "is_encoder_decoder", b"is_encoder_decoder", "kv", b"kv", "max_batch_tokens", b"max_batch_tokens", "max_draft_tokens", b"max_draft_tokens", "max_fork_children", b"max_fork_children", "model", b"model", "process", b"process"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
