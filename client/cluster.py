@@ -10,6 +10,13 @@ The config format is in `client/cluster_config.py` (kinds draft | verify | stage
 All processes start at once; the cluster is up when every one is SERVING and every coordinator
 sees all its replicas healthy.
 
+Supervision: the launcher (`main`) restarts a process that exits, as its service's `restart` policy
+says (client/supervision.py: on-failure by default, with backoff and a cap), on the same port, its
+log appended; the coordinator's health checks re-admit it. A restarted process is told its restart
+count and how the last one ended (`SPECMESH_NUM_RESTARTS`, `SPECMESH_LAST_EXIT`), which its GetInfo
+reports, so `specmesh health` shows it. Only Ctrl-C / SIGTERM to the launcher stops the cluster.
+As a library, `Cluster` restarts nothing unless its caller calls `supervise()` (tests kill on purpose).
+
 Model processes sharing this host's cores (more than one draft / verify / stage process) get
 GOMP_SPINCOUNT=20000 unless the environment sets it: libgomp's default lets a process's OpenMP
 threads spin for a long while after each forward, on the cores the next process's forward needs.
@@ -38,8 +45,10 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.cluster_config import MODULES, ServiceSpec, link_coordinators, load_cluster_config
+from client.supervision import RestartTracker
 from servicekit.channels import open_channel
 from servicekit.options import to_argv
+from servicekit.process import LAST_EXIT_ENV, NUM_RESTARTS_ENV
 from specmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 MODEL_KINDS = ("draft", "verify", "stage")  # processes that run forwards
@@ -106,6 +115,10 @@ class Cluster:
         self.python = python
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specmesh-cluster-"))
         self.processes: dict[str, subprocess.Popen] = {}
+        self.trackers = {spec.name: RestartTracker(spec.restart) for spec in specs}
+        self._started_s: dict[str, float] = {}  # when each process was (re)started
+        self._due_s: dict[str, tuple[float, str]] = {}  # restarts waiting out their backoff: name -> (time, last exit)
+        self.down: dict[str, str] = {}  # processes left down, and why
 
     @classmethod
     def from_yaml(cls, path: str | Path, **kwargs) -> Cluster:
@@ -130,10 +143,50 @@ class Cluster:
             env["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT  # module docstring
         return env
 
-    def _launch(self, spec: ServiceSpec) -> None:
-        with open(self.log_dir / f"{spec.name}.log", "wb") as log:
+    def _launch(self, spec: ServiceSpec, last_exit: str = "") -> None:
+        env = self.environment(spec)
+        num_restarts = self.trackers[spec.name].num_restarts
+        if num_restarts:
+            env.update({NUM_RESTARTS_ENV: str(num_restarts), LAST_EXIT_ENV: last_exit})
+        with open(self.log_dir / f"{spec.name}.log", "ab" if num_restarts else "wb") as log:
+            if num_restarts:
+                log.write(f"\n--- restart {num_restarts} after {last_exit}\n".encode())
+                log.flush()
             self.processes[spec.name] = subprocess.Popen(self.command(spec), stdout=log, stderr=subprocess.STDOUT,
-                                                         cwd=ROOT, env=self.environment(spec), start_new_session=True)
+                                                         cwd=ROOT, env=env, start_new_session=True)
+        self._started_s[spec.name] = time.monotonic()
+
+    def supervise(self) -> list[str]:
+        """One pass of supervision (the launcher calls it every few hundred ms): note every process
+        that exited since the last pass, restart those whose backoff is over. Returns what happened,
+        one line per event, for the launcher to log."""
+        now_s, events = time.monotonic(), []
+        for spec in self.specs:
+            name = spec.name
+            process = self.processes.get(name)
+            if process is None or process.poll() is None or name in self._due_s or name in self.down:
+                continue
+            uptime_s = now_s - self._started_s.get(name, now_s)
+            decision = self.trackers[name].on_exit(process.returncode, now_s, uptime_s)
+            if decision.restart:
+                self._due_s[name] = (now_s + decision.delay_s, decision.reason)
+                events.append(f"{name} exited ({decision.reason}) after {uptime_s:.0f} s; restart "
+                              f"{self.trackers[name].num_restarts} in {decision.delay_s:g} s (restart: {spec.restart.mode})")
+            else:
+                self.down[name] = decision.reason
+                events.append(f"{name} exited after {uptime_s:.0f} s and stays down: {decision.reason}")
+        for name, (due_s, last_exit) in list(self._due_s.items()):
+            if now_s >= due_s:
+                del self._due_s[name]
+                spec = next(s for s in self.specs if s.name == name)
+                self._launch(spec, last_exit)
+                events.append(f"{name} restarted, pid {self.processes[name].pid}")
+        return events
+
+    @property
+    def all_down(self) -> bool:
+        """No process runs and none will be restarted: nothing is left to serve."""
+        return not self._due_s and all(p.poll() is not None for p in self.processes.values())
 
     def start(self, timeout_s: float = 600.0) -> Cluster:
         """Start every process at once (a coordinator waits for its Verify replicas itself), wait until
@@ -177,6 +230,7 @@ class Cluster:
                 process.kill()
                 process.wait()
         self.processes.clear()
+        self._due_s.clear()
 
     def _kind(self, name: str) -> str:
         return next((s.kind for s in self.specs if s.name == name), "")
@@ -266,11 +320,14 @@ def main(argv=None) -> int:
         print("\n".join(describe(cluster)), flush=True)
         print("serving; Ctrl-C to stop", flush=True)
         while True:
-            for name, process in cluster.processes.items():
-                if process.poll() is not None:
-                    print(f"{name} exited with code {process.returncode}:\n{cluster.log_tail(name)}", file=sys.stderr)
-                    return 1
-            time.sleep(0.5)
+            for event in cluster.supervise():
+                print(f"[launcher] {event}", flush=True)
+            if cluster.all_down:
+                print("every process has exited and none is to be restarted; stopping", file=sys.stderr)
+                for name in cluster.processes:
+                    print(f"--- {name}\n{cluster.log_tail(name)}", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
     except KeyboardInterrupt:
         print("stopping", flush=True)
         return 0

@@ -10,13 +10,15 @@
         replicas: 2        # -> processes "verify-0" (:50052) and "verify-1" (:50053)
         device: [cuda:0, cuda:1]  # a list: one value per replica
         torch_threads: 4   # intra-op threads (OMP_NUM_THREADS); default: this host's cores shared
+        restart: on-failure  # when its process exits: on-failure (default) | always | never
+        max_restarts: 5    # at most this many restarts in restart_window_s (300); client/supervision.py
         ...                # any option of that kind (python -m target_service --help)
       coordinator:
         kind: coordinator  # draft_addresses / verify_addresses: every draft / verify replica above,
                            # cascade_stages: every stage service above in file order (or names / addresses),
                            # unless given; model: the verify service's, unless given
 
-`replicas` and `torch_threads` are read by the launcher, every other key is passed as a flag.
+`replicas`, `torch_threads` and the restart keys are read by the launcher, every other key is passed as a flag.
 A `defaults` key that a kind lacks (a coordinator has no `device`) is not passed to it; a service's
 own unknown key is an error, named before any process starts.
 """
@@ -31,13 +33,16 @@ from pathlib import Path
 
 import yaml
 
+from client.supervision import RestartPolicy
+
 MODULES = {"draft": "draft_service", "verify": "target_service", "stage": "stage_service", "coordinator": "coordinator",
            "gateway": "gateway"}
 OPTION_CLASSES = {"draft": "draft_service.options:DraftOptions", "verify": "target_service.options:VerifyOptions",
                   "stage": "stage_service.options:StageOptions", "coordinator": "coordinator.options:CoordinatorOptions",
                   "gateway": "gateway.options:GatewayOptions"}
 FRONT_KINDS = ("coordinator", "gateway")  # no model of their own: one thread each, the model services get the cores
-LAUNCHER_KEYS = ("replicas", "torch_threads")  # read here, never passed to a service
+LAUNCHER_KEYS = ("replicas", "torch_threads", "restart", "max_restarts", "restart_window_s")  # read here, never passed on
+RESTART_KEYS = {"restart": "mode", "max_restarts": "max_restarts", "restart_window_s": "window_s"}  # -> RestartPolicy
 PLACEMENT_KEYS = ("ray", "k8s")  # a service's placement on Ray / Kubernetes: read by `specmesh ray|k8s`, not here
 COORDINATOR_THREADS = 1  # the coordinator tokenizes and schedules; the model services get the cores
 
@@ -49,6 +54,7 @@ class ServiceSpec:
     options: dict = field(default_factory=dict)  # flags of that service, e.g. {"model": "default", "port": 50051}
     torch_threads: int = 0  # intra-op threads of its process; 0 = not set (torch's own default)
     group: str = ""  # the config entry it comes from (replicas share it)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # what the launcher does when its process exits
 
     @property
     def address(self) -> str:
@@ -106,16 +112,18 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
     if not services:
         raise ValueError(f"{path}: no services")
     default_threads = defaults.pop("torch_threads", 0)
+    default_restart = {key: defaults.pop(key) for key in RESTART_KEYS if key in defaults}
     entries = []
     for name, entry in services.items():
         entry = {k: v for k, v in (entry or {}).items() if k not in PLACEMENT_KEYS}
         kind = entry.pop("kind", name)
         if kind not in MODULES:
             raise ValueError(f"{path}: service {name!r} has unknown kind {kind!r}; choose one of {', '.join(MODULES)}")
-        entries.append((name, kind, entry, _replicas(path, name, entry), entry.pop("torch_threads", default_threads)))
-    num_model_processes = sum(replicas for _, kind, _, replicas, _ in entries if kind not in FRONT_KINDS)
+        restart = _restart_policy(path, name, {**default_restart, **{k: entry.pop(k) for k in RESTART_KEYS if k in entry}})
+        entries.append((name, kind, entry, _replicas(path, name, entry), entry.pop("torch_threads", default_threads), restart))
+    num_model_processes = sum(replicas for _, kind, _, replicas, _, _ in entries if kind not in FRONT_KINDS)
     specs = []
-    for name, kind, entry, replicas, threads in entries:
+    for name, kind, entry, replicas, threads, restart in entries:
         known = option_names(kind)
         unknown = sorted(set(entry) - known)
         if unknown:
@@ -125,9 +133,17 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
             threads = COORDINATOR_THREADS if kind in FRONT_KINDS else default_torch_threads(num_model_processes, cores)
         for index in range(replicas):
             replica_name = name if replicas == 1 else f"{name}-{index}"
-            specs.append(ServiceSpec(replica_name, kind, _replica_options(options, index), int(threads), group=name))
+            specs.append(ServiceSpec(replica_name, kind, _replica_options(options, index), int(threads), group=name,
+                                     restart=restart))
     _inherit_target_model(specs, services)
     return specs
+
+
+def _restart_policy(path, name: str, keys: dict) -> RestartPolicy:
+    try:
+        return RestartPolicy(**{RESTART_KEYS[key]: value for key, value in keys.items()})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: service {name!r}: {exc}") from None
 
 
 def _inherit_target_model(specs: list[ServiceSpec], services: dict) -> None:

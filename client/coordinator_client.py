@@ -142,6 +142,7 @@ class ReplicaStatus:
     address: str
     healthy: bool
     in_flight: int  # this coordinator's requests on it now
+    num_readmissions: int = 0  # times the coordinator's health checks saw it back after it was out
 
 
 @dataclass
@@ -155,12 +156,15 @@ class CoordinatorStats:
     num_failovers: int
     totals: GenerationStats
     replicas: list[ReplicaStatus]
+    num_restarts: int = 0  # of the coordinator's own process, by its launcher
+    last_exit: str = ""  # how the coordinator's previous process ended ("" on its first start)
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.GetStatsResponse) -> CoordinatorStats:
         return cls(pb.num_requests, pb.num_generated_tokens, pb.num_active_requests, pb.num_failed_requests,
                    pb.num_failovers, GenerationStats.from_pb(pb.totals),
-                   [ReplicaStatus(r.kind, r.address, r.healthy, r.in_flight) for r in pb.replicas])
+                   [ReplicaStatus(r.kind, r.address, r.healthy, r.in_flight, r.num_readmissions) for r in pb.replicas],
+                   num_restarts=pb.process.num_restarts, last_exit=pb.process.last_exit)
 
 
 SOT_LAYOUTS = {"": common_pb2.BRANCH_LAYOUT_UNSPECIFIED, "batching": common_pb2.BRANCH_LAYOUT_BATCHING,

@@ -58,6 +58,14 @@ class HealthReport:
         return f"{name:<12} {self.kind or '?':<11} {self.target.address:<21} {self.status:<11} {text or self.error}"
 
 
+def _process_details(process) -> dict[str, object]:
+    """`ProcessInfo` as health details: uptime, and restarts by the launcher when there were any."""
+    details: dict[str, object] = {"up": f"{process.uptime_s:.0f}s"}
+    if process.num_restarts:
+        details["restarts"] = f"{process.num_restarts} (last exit: {process.last_exit or 'unknown'})"
+    return details
+
+
 def _model_details(model, kv=None) -> dict[str, object]:
     details: dict[str, object] = {"model": model.model, "device": model.device, "dtype": model.dtype}
     if kv is not None and kv.total_blocks:
@@ -68,18 +76,20 @@ def _model_details(model, kv=None) -> dict[str, object]:
 async def _info(channel, kind: str) -> dict[str, object]:
     if kind == "verify":
         v = await verify_pb2_grpc.VerifyServiceStub(channel).GetInfo(verify_pb2.VerifyGetInfoRequest(), timeout=TIMEOUT_S)
-        return {**_model_details(v.model, v.kv), "fused drafter": v.fused_drafter or "none"}
+        return {**_model_details(v.model, v.kv), "fused drafter": v.fused_drafter or "none", **_process_details(v.process)}
     if kind == "draft":
         d = await draft_pb2_grpc.DraftServiceStub(channel).GetInfo(draft_pb2.DraftGetInfoRequest(), timeout=TIMEOUT_S)
-        return {"drafter": d.drafter, **_model_details(d.model, d.kv)}
+        return {"drafter": d.drafter, **_model_details(d.model, d.kv), **_process_details(d.process)}
     if kind == "stage":
         s = await stage_pb2_grpc.StageServiceStub(channel).GetInfo(stage_pb2.StageGetInfoRequest(), timeout=TIMEOUT_S)
-        return _model_details(s.model, s.kv)
+        return {**_model_details(s.model, s.kv), **_process_details(s.process)}
     if kind == "coordinator":
         c = await coordinator_pb2_grpc.CoordinatorServiceStub(channel).GetStats(coordinator_pb2.GetStatsRequest(),
                                                                                timeout=TIMEOUT_S)
         healthy = sum(r.healthy for r in c.replicas)
-        return {"requests": c.num_requests, "active": c.num_active_requests, "replicas healthy": f"{healthy}/{len(c.replicas)}"}
+        back = sum(r.num_readmissions for r in c.replicas)
+        return {"requests": c.num_requests, "active": c.num_active_requests, "replicas healthy": f"{healthy}/{len(c.replicas)}",
+                **({"replicas back after down": back} if back else {}), **_process_details(c.process)}
     return {}
 
 

@@ -54,6 +54,7 @@ class ServicePool:
         self._draining: dict[str, Replica] = {}  # gone from the source, sessions still open on them
         self._closing: set[asyncio.Future] = set()
         self._tasks: list[asyncio.Task] = []
+        self.num_readmissions: dict[str, int] = {}  # replica id -> health checks that found it back after it was out
         try:
             initial = self.source.resolve()
         except Exception as exc:  # noqa: BLE001 - a source that is not up yet: the refresh loop retries
@@ -148,6 +149,8 @@ class ServicePool:
                 healthy = False
             if healthy != replica.healthy:
                 log.info("%s replica %s is %s", self.kind, replica.id, "healthy again" if healthy else "not serving")
+                if healthy:
+                    self.num_readmissions[replica.id] = self.num_readmissions.get(replica.id, 0) + 1
             self.replicas.set_health(replica, healthy)
 
         await asyncio.gather(*(check(r) for r in replicas))

@@ -25,6 +25,7 @@ from coordinator.skeleton import Links, SkeletonAnswer, SkeletonRequest
 from servicekit.auth import ANONYMOUS, END_USER_KEY, current_principal
 from servicekit.convert import FINISH_TO_PB, sampling_from_pb, stats_to_pb
 from servicekit.errors import Downstream, Unavailable, rpc_method
+from servicekit.process import process_info_pb
 from servicekit.metrics import ServiceMetrics
 from servicekit.streams import read_ahead
 from specmesh.decoding.adaptive import FixedK
@@ -243,9 +244,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     @rpc_method
     async def GetStats(self, request, context) -> coordinator_pb2.GetStatsResponse:
-        replicas = [coordinator_pb2.ReplicaStatus(kind=pool.kind, address=r.id, healthy=r.healthy, in_flight=r.num_in_flight)
+        replicas = [coordinator_pb2.ReplicaStatus(kind=pool.kind, address=r.id, healthy=r.healthy, in_flight=r.num_in_flight,
+                                                  num_readmissions=pool.num_readmissions.get(r.id, 0))
                     for pool in (self.draft, self.verify) for r in pool.replicas.replicas]
         return coordinator_pb2.GetStatsResponse(
             num_requests=self.num_requests, num_generated_tokens=self.num_generated_tokens, totals=stats_to_pb(self.totals),
             num_active_requests=self.num_active, num_failed_requests=self.num_failed, num_failovers=self.num_failovers,
-            replicas=replicas)
+            replicas=replicas, process=process_info_pb())

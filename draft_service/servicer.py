@@ -24,6 +24,7 @@ from servicekit.batching import WindowBatcher
 from servicekit.convert import DEFAULT_MAX_NEW_TOKENS, kv_usage_pb, model_info_pb, q_dtype_from_pb, sampling_from_pb, token_ids_from_pb
 from servicekit.engine_thread import EngineThread
 from servicekit.errors import Unimplemented, rpc_method
+from servicekit.process import process_info_pb
 from servicekit.metrics import ServiceMetrics
 from servicekit.rounds import RoundLog
 from servicekit.session_service import SessionService
@@ -186,7 +187,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
     async def GetInfo(self, request, context) -> draft_pb2.DraftGetInfoResponse:
         if self.engine is None:
             info = common_pb2.ModelInfo(model=self.options.model, vocab_size=self.vocab_size, max_context_tokens=self.max_context)
-            return draft_pb2.DraftGetInfoResponse(model=info, drafter=self.options.drafter)
+            return draft_pb2.DraftGetInfoResponse(model=info, drafter=self.options.drafter, process=process_info_pb())
         return draft_pb2.DraftGetInfoResponse(model=model_info_pb(self.options.model, self.model_folder, self.engine),
                                               drafter=self.options.drafter, kv=kv_usage_pb(self.engine.kv_usage()),
-                                              is_encoder_decoder=is_encoder_decoder(self.engine))
+                                              is_encoder_decoder=is_encoder_decoder(self.engine), process=process_info_pb())

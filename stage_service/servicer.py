@@ -15,6 +15,7 @@ from servicekit.convert import (
 )
 from servicekit.engine_thread import EngineThread
 from servicekit.errors import rpc_method
+from servicekit.process import process_info_pb
 from servicekit.metrics import ServiceMetrics
 from servicekit.session_service import SessionService
 from specmesh.cascade.stage_model import StageModel, StageSession
@@ -80,4 +81,4 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
     @rpc_method
     async def GetInfo(self, request, context) -> stage_pb2.StageGetInfoResponse:
         return stage_pb2.StageGetInfoResponse(model=model_info_pb(self.options.model, self.model_folder, self.engine),
-                                              kv=kv_usage_pb(self.engine.kv_usage()))
+                                              kv=kv_usage_pb(self.engine.kv_usage()), process=process_info_pb())

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from servicekit.convert import FINISH_TO_PB, check_draft_has_q, kv_usage_pb, model_info_pb, sampling_from_pb, stats_to_pb, token_ids_from_pb
 from servicekit.engine_thread import EngineThread, run_aside
 from servicekit.errors import FailedPrecondition, Unimplemented, message_for, rpc_method, status_for
+from servicekit.process import process_info_pb
 from servicekit.metrics import ServiceMetrics
 from servicekit.session_service import STATE_PRESERVING_ERRORS, SessionService
 from servicekit.streams import read_ahead
@@ -450,6 +451,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             max_fork_children=self.options.max_fork_children,
             is_encoder_decoder=is_encoder_decoder(self.engine),
             decoder_prompt_ids=list(getattr(self.engine, "decoder_prompt_ids", ())),
+            process=process_info_pb(),
         )
 
 

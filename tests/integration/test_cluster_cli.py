@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import re
 import signal
 import subprocess
-import sys
-import threading
-import time
 import urllib.request
 
 import pytest
 import yaml
+from service_helpers import LISTENING, Launcher
 
 from client.cluster import ROOT
 from client.cluster_config import default_torch_threads, link_coordinators, load_cluster_config
@@ -27,7 +24,6 @@ from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.models.load import load_engine
 
-LISTENING = re.compile(r"^\s+(\S+)\s+(draft|verify|stage|coordinator|gateway)\s+(\S+:\d+)\s+pid (\d+)\s+(.*)$")
 PROMPT = "one two three four one two three four one two"
 
 
@@ -86,41 +82,6 @@ def test_shipped_configs_load_with_a_coordinator(path):
     coordinator = next(s for s in specs if s.kind == "coordinator")
     assert coordinator.options["verify_addresses"]
     assert all(s.torch_threads >= 1 for s in specs)
-
-
-class Launcher:
-    """`python -m client.cluster` as `make run-cluster` runs it; its stdout read line by line (a thread:
-    select() on a buffered pipe would miss lines already read into the buffer)."""
-
-    def __init__(self, config, log_dir):
-        self.log_dir = log_dir
-        self.process = subprocess.Popen([sys.executable, "-m", "client.cluster", "--config", str(config), "--log-dir",
-                                         str(log_dir)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.process.stdout:
-            self.queue.put(line)
-        self.queue.put(None)
-
-    def read_until(self, text: str, timeout_s: float = 120.0) -> list[str]:
-        deadline_s = time.monotonic() + timeout_s
-        while not self.lines or text not in self.lines[-1]:
-            try:
-                line = self.queue.get(timeout=max(0.0, deadline_s - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None:
-                logs = "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in sorted(self.log_dir.glob("*.log")))
-                raise AssertionError(f"no {text!r} from run-cluster:\n" + "".join(self.lines) + logs)
-            self.lines.append(line)
-        return self.lines
-
-    def rest(self) -> str:
-        """Everything printed after the lines read so far (once the process has exited)."""
-        return "".join(iter(lambda: self.queue.get(timeout=5) or "", ""))
 
 
 @pytest.fixture(scope="module")
