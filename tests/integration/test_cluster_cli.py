@@ -14,11 +14,11 @@ import urllib.request
 
 import pytest
 import yaml
-from service_helpers import LISTENING, Launcher
 
 from client.cluster import ROOT
 from client.cluster_config import default_torch_threads, link_coordinators, load_cluster_config
 from client.coordinator_client import CoordinatorClient
+from client.launcher_process import LISTENING, LauncherProcess
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
@@ -93,7 +93,7 @@ def launched(tiny_model_dir, tmp_path_factory):
         "coordinator": {"kind": "coordinator", "default_drafter": "ngram"},
         "gateway": {"kind": "gateway"},
     })
-    launcher = Launcher(config, folder)
+    launcher = LauncherProcess(config, folder)
     try:
         launcher.read_until("serving; Ctrl-C to stop")
         services = {m[1]: (m[2], m[3], int(m[4]), m[5]) for m in (LISTENING.match(line) for line in launcher.lines) if m}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import time
@@ -17,18 +16,18 @@ import time
 import grpc
 import pytest
 import yaml
-from service_helpers import LISTENING, Launcher, target_only_greedy, wait_for
+from service_helpers import target_only_greedy, wait_for
 
 from client.cluster_config import load_cluster_config
 from client.coordinator_client import CoordinatorClient
 from client.health import Target, probe
+from client.launcher_process import LauncherProcess
 from client.supervision import RestartPolicy
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, verify_pb2, verify_pb2_grpc
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 MAX_NEW_TOKENS = 80
 BACK_WITHIN_S = 30.0
-RESTARTED = re.compile(r"^\[launcher\] (\S+) restarted, pid (\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +49,7 @@ def launched(target, tmp_path_factory):
         "verify": {"kind": "verify", "replicas": 2, "torch_threads": 1},
         "coordinator": {"kind": "coordinator", "health_interval_s": 0.2},
     }}))
-    launcher = Launcher(config, folder)
+    launcher = LauncherProcess(config, folder)
     try:
         launcher.read_until("serving; Ctrl-C to stop")
         yield launcher
@@ -64,12 +63,9 @@ def launched(target, tmp_path_factory):
                 launcher.process.wait()
 
 
-def _services(launcher: Launcher) -> dict[str, tuple[str, int]]:
-    """name -> (address, pid) as the launcher printed them at start, with the pids of its restarts."""
-    services = {m[1]: (m[3], int(m[4])) for m in (LISTENING.match(line) for line in launcher.lines) if m}
-    for m in filter(None, (RESTARTED.match(line) for line in launcher.lines)):
-        services[m[1]] = (services[m[1]][0], int(m[2]))
-    return services
+def _services(launcher: LauncherProcess) -> dict[str, tuple[str, int]]:
+    """name -> (address, current pid)."""
+    return {name: (s.address, s.pid) for name, s in launcher.services().items()}
 
 
 async def _stream(coordinator: str, kill_after: int = 0, kill=None) -> tuple[list[int], coordinator_pb2.GenerateResponse]:
@@ -96,12 +92,13 @@ def _busy_verify(services: dict[str, tuple[str, int]]) -> str:
     return max(("verify-0", "verify-1"), key=lambda name: used(services[name][0]))
 
 
-def _restarted(launcher: Launcher, name: str) -> int:
+def _restarted(launcher: LauncherProcess, name: str) -> int:
     """Wait for the launcher's line saying `name` is back; its new pid."""
-    return int(RESTARTED.match(launcher.read_until(f"[launcher] {name} restarted", timeout_s=BACK_WITHIN_S)[-1])[2])
+    launcher.read_until(f"[launcher] {name} restarted", timeout_s=BACK_WITHIN_S)
+    return launcher.services()[name].pid
 
 
-def _kill_and_check_back(launcher: Launcher, reference: list[int], choose_victim) -> tuple[str, list[str]]:
+def _kill_and_check_back(launcher: LauncherProcess, reference: list[int], choose_victim) -> tuple[str, list[str]]:
     services = _services(launcher)
     coordinator = services["coordinator"][0]
     victim: list[str] = []
