@@ -153,7 +153,8 @@ class Cluster:
                 log.write(f"\n--- restart {num_restarts} after {last_exit}\n".encode())
                 log.flush()
             self.processes[spec.name] = subprocess.Popen(self.command(spec), stdout=log, stderr=subprocess.STDOUT,
-                                                         cwd=ROOT, env=env, start_new_session=True)
+                                                         cwd=ROOT, env=env, start_new_session=True,
+                                                         preexec_fn=_pin(spec.cpus) if spec.cpus else None)
         self._started_s[spec.name] = time.monotonic()
 
     def supervise(self) -> list[str]:
@@ -246,6 +247,14 @@ class Cluster:
         self.stop()
 
 
+def _pin(cpus: tuple[int, ...]):
+    """Run in the child before exec: the service, its torch threads included, stays on `cpus`."""
+    def pin() -> None:
+        os.sched_setaffinity(0, cpus)
+
+    return pin
+
+
 def cli_command() -> str:
     """How to call the `specmesh` CLI of this interpreter: `.venv/bin/specmesh` when installed there."""
     script = Path(sys.executable).parent / "specmesh"
@@ -265,6 +274,7 @@ def describe(cluster: Cluster) -> list[str]:
             f"draft [{spec.options.get('draft_addresses', '')}] verify [{spec.options.get('verify_addresses', '')}]")
         metrics = f", metrics {spec.metrics_url}" if spec.metrics_url else ""
         threads = f", {spec.torch_threads} thread(s)" if spec.torch_threads else ""
+        threads += f" on cpus {','.join(map(str, spec.cpus))}" if spec.cpus else ""
         pid = cluster.processes[spec.name].pid if spec.name in cluster.processes else "-"
         lines.append(f"  {spec.name:<12} {spec.kind:<11} {spec.address:<21} pid {pid:<8} {detail}{threads}{metrics}")
     coordinators = cluster.addresses_of("coordinator")

@@ -10,6 +10,8 @@
         replicas: 2        # -> processes "verify-0" (:50052) and "verify-1" (:50053)
         device: [cuda:0, cuda:1]  # a list: one value per replica
         torch_threads: 4   # intra-op threads (OMP_NUM_THREADS); default: this host's cores shared
+        cpus: "2-5"        # pin its process to these cores ("0", "0,2", "2-5", a list per replica, or
+                           # auto: each model process its own slice of this host's cores); torch_threads follows
         restart: on-failure  # when its process exits: on-failure (default) | always | never
         max_restarts: 5    # at most this many restarts in restart_window_s (300); client/supervision.py
         ...                # any option of that kind (python -m target_service --help)
@@ -18,7 +20,7 @@
                            # cascade_stages: every stage service above in file order (or names / addresses),
                            # unless given; model: the verify service's, unless given
 
-`replicas`, `torch_threads` and the restart keys are read by the launcher, every other key is passed as a flag.
+`replicas`, `torch_threads`, `cpus` and the restart keys are read by the launcher, every other key is passed as a flag.
 A `defaults` key that a kind lacks (a coordinator has no `device`) is not passed to it; a service's
 own unknown key is an error, named before any process starts.
 """
@@ -41,7 +43,8 @@ OPTION_CLASSES = {"draft": "draft_service.options:DraftOptions", "verify": "targ
                   "stage": "stage_service.options:StageOptions", "coordinator": "coordinator.options:CoordinatorOptions",
                   "gateway": "gateway.options:GatewayOptions"}
 FRONT_KINDS = ("coordinator", "gateway")  # no model of their own: one thread each, the model services get the cores
-LAUNCHER_KEYS = ("replicas", "torch_threads", "restart", "max_restarts", "restart_window_s")  # read here, never passed on
+LAUNCHER_KEYS = ("replicas", "torch_threads", "cpus", "restart", "max_restarts", "restart_window_s")  # read here, never passed on
+AUTO_CPUS = "auto"  # cpus: auto, each model process its own slice of the host's cores
 RESTART_KEYS = {"restart": "mode", "max_restarts": "max_restarts", "restart_window_s": "window_s"}  # -> RestartPolicy
 PLACEMENT_KEYS = ("ray", "k8s")  # a service's placement on Ray / Kubernetes: read by `specmesh ray|k8s`, not here
 COORDINATOR_THREADS = 1  # the coordinator tokenizes and schedules; the model services get the cores
@@ -55,6 +58,7 @@ class ServiceSpec:
     torch_threads: int = 0  # intra-op threads of its process; 0 = not set (torch's own default)
     group: str = ""  # the config entry it comes from (replicas share it)
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # what the launcher does when its process exits
+    cpus: tuple[int, ...] = ()  # cores its process is pinned to; () = not pinned
 
     @property
     def address(self) -> str:
@@ -74,10 +78,43 @@ def option_names(kind: str) -> set[str]:
 
 
 def host_cores() -> int:
+    return len(host_cpus())
+
+
+def host_cpus() -> list[int]:
+    """The cores this launcher may run on (its affinity), in order."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def parse_cpus(text: str | int) -> tuple[int, ...]:
+    """A core list as taskset writes it: "0", "0,2", "2-5", "0-1,4".
+
+    >>> parse_cpus("0-2,5"), parse_cpus(3)
+    ((0, 1, 2, 5), (3,))
+    """
+    cpus: set[int] = set()
+    for part in str(text).replace(" ", "").split(","):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or (last and int(last) < int(first)):
+            raise ValueError(f"cpus: {text!r} is not a core list like 0, 0,2 or 2-5")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return tuple(sorted(cpus))
+
+
+def auto_cpus(num_model_processes: int, available: list[int]) -> list[tuple[int, ...]]:
+    """`cpus: auto`: consecutive slices of the available cores, one per model process, the same size;
+    no pinning (empty tuples) when there are fewer cores than processes.
+
+    >>> auto_cpus(2, [0, 1]), auto_cpus(3, [0, 1, 2, 3, 4, 5, 6]), auto_cpus(3, [0, 1])
+    ([(0,), (1,)], [(0, 1), (2, 3), (4, 5)], [(), (), ()])
+    """
+    size = len(available) // max(1, num_model_processes)
+    if size == 0:
+        return [()] * num_model_processes
+    return [tuple(available[i * size:(i + 1) * size]) for i in range(num_model_processes)]
 
 
 def default_torch_threads(num_model_processes: int, cores: int | None = None) -> int:
@@ -112,6 +149,7 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
     if not services:
         raise ValueError(f"{path}: no services")
     default_threads = defaults.pop("torch_threads", 0)
+    default_cpus = defaults.pop("cpus", None)
     default_restart = {key: defaults.pop(key) for key in RESTART_KEYS if key in defaults}
     entries = []
     for name, entry in services.items():
@@ -120,23 +158,47 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
         if kind not in MODULES:
             raise ValueError(f"{path}: service {name!r} has unknown kind {kind!r}; choose one of {', '.join(MODULES)}")
         restart = _restart_policy(path, name, {**default_restart, **{k: entry.pop(k) for k in RESTART_KEYS if k in entry}})
-        entries.append((name, kind, entry, _replicas(path, name, entry), entry.pop("torch_threads", default_threads), restart))
-    num_model_processes = sum(replicas for _, kind, _, replicas, _, _ in entries if kind not in FRONT_KINDS)
+        cpus = entry.get("cpus", default_cpus if kind not in FRONT_KINDS else None)
+        replicas = _replicas(path, name, entry)  # checks a list of cpus too, one per replica
+        entry.pop("cpus", None)
+        entries.append((name, kind, entry, replicas, entry.pop("torch_threads", default_threads), restart, cpus))
+    num_model_processes = sum(replicas for _, kind, _, replicas, _, _, _ in entries if kind not in FRONT_KINDS)
+    available = list(range(cores)) if cores else host_cpus()
+    num_auto = sum(replicas for _, _, _, replicas, _, _, cpus in entries if cpus == AUTO_CPUS)
+    auto_slices = iter(auto_cpus(num_auto, available))
     specs = []
-    for name, kind, entry, replicas, threads, restart in entries:
+    for name, kind, entry, replicas, threads, restart, cpus in entries:
         known = option_names(kind)
         unknown = sorted(set(entry) - known)
         if unknown:
             raise ValueError(f"{path}: service {name!r} ({kind}) has no option(s) {', '.join(unknown)}")
         options = {**{k: v for k, v in defaults.items() if k in known}, **entry}
-        if not threads:
-            threads = COORDINATOR_THREADS if kind in FRONT_KINDS else default_torch_threads(num_model_processes, cores)
         for index in range(replicas):
             replica_name = name if replicas == 1 else f"{name}-{index}"
-            specs.append(ServiceSpec(replica_name, kind, _replica_options(options, index), int(threads), group=name,
-                                     restart=restart))
+            pinned = _pinned(path, name, cpus[index] if isinstance(cpus, list) else cpus, auto_slices, available)
+            replica_threads = threads or (len(pinned) if pinned else COORDINATOR_THREADS if kind in FRONT_KINDS
+                                          else default_torch_threads(num_model_processes, cores))
+            specs.append(ServiceSpec(replica_name, kind, _replica_options(options, index), int(replica_threads), group=name,
+                                     restart=restart, cpus=pinned))
     _inherit_target_model(specs, services)
     return specs
+
+
+def _pinned(path, name: str, cpus, auto_slices, available: list[int]) -> tuple[int, ...]:
+    """A replica's `cpus` value as a core tuple; a core this host does not offer is an error."""
+    if cpus is None or cpus == "":
+        return ()
+    if cpus == AUTO_CPUS:
+        return next(auto_slices)
+    try:
+        pinned = parse_cpus(cpus)
+    except ValueError as exc:
+        raise ValueError(f"{path}: service {name!r}: {exc}") from None
+    missing = sorted(set(pinned) - set(available))
+    if missing:
+        raise ValueError(f"{path}: service {name!r}: cpus {cpus!r} names core(s) {missing} this host does not offer "
+                         f"(it has {available[0]}-{available[-1]})" if available else f"{path}: no cores")
+    return pinned
 
 
 def _restart_policy(path, name: str, keys: dict) -> RestartPolicy:

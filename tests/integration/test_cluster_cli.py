@@ -88,7 +88,8 @@ def test_shipped_configs_load_with_a_coordinator(path):
 def launched(tiny_model_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("run-cluster")
     target = str(tiny_model_dir("llama", init_std=0.2))
-    config = write_config(folder / "cluster.yaml", defaults={"model": target, "device": "cpu", "dtype": "float64", "port": 0}, services={
+    config = write_config(folder / "cluster.yaml", defaults={"model": target, "device": "cpu", "dtype": "float64", "port": 0,
+                                                             "cpus": "auto"}, services={
         "verify": {"kind": "verify", "replicas": 2, "metrics_port": 0, "fused_drafter": "ngram", "torch_threads": 1},
         "coordinator": {"kind": "coordinator", "default_drafter": "ngram"},
         "gateway": {"kind": "gateway"},
@@ -125,6 +126,18 @@ def test_each_process_gets_its_torch_threads(launched):
     for name, (_, _, pid, _) in services.items():
         environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         assert b"OMP_NUM_THREADS=1" in environ, name  # verify: torch_threads 1; the coordinator: 1 by default
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux affinity")
+def test_cpus_auto_pins_each_model_process_to_its_own_cores(launched):
+    _, services, _ = launched
+    cores = {name: os.sched_getaffinity(pid) for name, (_, _, pid, _) in services.items()}
+    host = os.sched_getaffinity(0)
+    if len(host) < 2:
+        pytest.skip("one core: model processes share it")
+    assert cores["verify-0"] and cores["verify-1"] and not cores["verify-0"] & cores["verify-1"]
+    assert cores["coordinator"] == host  # front processes are not pinned
+    assert f"on cpus {','.join(map(str, sorted(cores['verify-0'])))}" in services["verify-0"][3]
 
 
 def test_requests_spread_over_replicas_and_equal_greedy(launched):

@@ -1,0 +1,46 @@
+"""Cluster YAML `cpus`: a model process pinned to its own cores, its torch threads following."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from client.cluster_config import load_cluster_config
+
+
+def specs_of(tmp_path, services: dict, defaults: dict | None = None, cores: int = 2) -> dict:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"defaults": defaults or {}, "services": services}))
+    return {s.name: s for s in load_cluster_config(path, cores=cores)}
+
+
+def test_auto_gives_each_model_process_its_own_cores(tmp_path):
+    services = {"draft": {"kind": "draft"}, "verify": {"kind": "verify"}, "coordinator": {"kind": "coordinator"}}
+    specs = specs_of(tmp_path, services, {"cpus": "auto"})
+    assert (specs["draft"].cpus, specs["verify"].cpus, specs["coordinator"].cpus) == ((0,), (1,), ())
+    assert (specs["draft"].torch_threads, specs["verify"].torch_threads) == (1, 1)
+    specs = specs_of(tmp_path, {**services, "verify": {"kind": "verify", "replicas": 3}}, {"cpus": "auto"}, cores=16)
+    assert [specs[n].cpus for n in ("draft", "verify-0", "verify-1", "verify-2")] == [
+        (0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)]
+    assert specs["verify-2"].torch_threads == 4
+    specs = specs_of(tmp_path, services, {"cpus": "auto"}, cores=1)  # fewer cores than processes: shared
+    assert specs["draft"].cpus == specs["verify"].cpus == ()
+
+
+def test_explicit_cores_per_service_and_per_replica(tmp_path):
+    specs = specs_of(tmp_path, {"draft": {"kind": "draft", "cpus": "0"},
+                                "verify": {"kind": "verify", "replicas": 2, "cpus": ["2-5", "6,7"], "torch_threads": 2}},
+                     cores=8)
+    assert (specs["draft"].cpus, specs["draft"].torch_threads) == ((0,), 1)
+    assert (specs["verify-0"].cpus, specs["verify-1"].cpus) == ((2, 3, 4, 5), (6, 7))
+    assert specs["verify-0"].torch_threads == 2  # torch_threads, when given, wins
+    assert "cpus" not in specs["draft"].options  # the launcher's key, never a service flag
+
+
+@pytest.mark.parametrize("cpus, message", [("9", r"core\(s\) \[9\] this host does not offer"),
+                                           ("3-1", "not a core list"), ("x", "not a core list")])
+def test_bad_core_lists_are_named(tmp_path, cpus, message):
+    with pytest.raises(ValueError, match=message):
+        specs_of(tmp_path, {"verify": {"kind": "verify", "cpus": cpus}}, cores=4)
+    with pytest.raises(ValueError, match="cpus lists 1 values for 2 replica"):
+        specs_of(tmp_path, {"verify": {"kind": "verify", "replicas": 2, "cpus": ["0"]}}, cores=4)
