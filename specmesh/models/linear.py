@@ -36,8 +36,13 @@ ONEDNN_PACK_ROWS = 8  # rows the blocked layout is tuned for: verify-sized calls
 
 
 def default_kernel(dtype: torch.dtype, device: torch.device) -> str:
-    onednn_ok = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-    return "onednn" if onednn_ok else "plain"
+    """oneDNN's packed linear where it runs: fp32 on any x86 CPU with oneDNN; bf16 only where the CPU
+    has bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU refuses to pack bf16)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return "plain"
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return "onednn"
+    return "plain"
 
 
 class Linear:
