@@ -72,6 +72,7 @@ from specmesh.skeleton.automaton import SkeletonFormat, build_skeleton_automaton
 from specmesh.skeleton.merge import merge, section_header
 from specmesh.skeleton.parse import parse_skeleton
 from specmesh.skeleton.prompts import common_prefix_length, point_messages, skeleton_messages
+from specmesh.skeleton.quality import branch_token_budget, plan_problem
 from specmesh.skeleton.rounds import RoundGate
 from specmesh.skeleton.schedule import BranchScheduler, Launch
 from specmesh.skeleton.tools import PassageIndex, passages_for
@@ -290,6 +291,9 @@ class SkeletonAnswer:
             skeleton_text = self.tokenizer.decode([*prefix_ids, *plan_ids], skip_special_tokens=True,
                                                   clean_up_tokenization_spaces=False)
             parsed = parse_skeleton(skeleton_text, max_points=request.fmt.max_points)
+            problem = plan_problem(parsed, request.question) if isinstance(parsed, Skeleton) else None
+            if problem:  # a plan that would lose to a plain answer: answer plainly, and say why
+                parsed = Direct(skeleton_text, f"plan rejected, {problem}")
             self.summary.skeleton_ms = self._ms()
             self.summary.num_skeleton_tokens = len(plan_ids)
             if isinstance(parsed, Direct):
@@ -404,7 +408,8 @@ class SkeletonAnswer:
         """One branch, start to end; every message and its end go to `queue` (never raises)."""
         point = launch.point
         record = self.branches[point.id] = BranchRecord(point.id, self._ms())
-        params = dataclasses.replace(self.request.params, seed=branch_seed(self.request.params.seed or 0, point.id))
+        params = dataclasses.replace(self.request.params, seed=branch_seed(self.request.params.seed or 0, point.id),
+                                     max_new_tokens=branch_token_budget(point, self.request.params.max_new_tokens))
         await queue.put(coordinator_pb2.GenerateResponse(text=section_header(point) + "\n", branch_id=point.id))
         text: list[str] = []
         stream = speculative_stream_async(verifier, self.links.drafter(), prompt_ids, params,

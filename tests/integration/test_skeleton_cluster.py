@@ -19,6 +19,7 @@ import time
 
 import grpc
 import pytest
+from test_coordinator import Cluster  # the same module object pytest collected (tests/ is no package)
 
 from client.wire_loop import channel
 from specmesh.decoding.proposal import DraftProposal
@@ -37,7 +38,6 @@ from specmesh.skeleton.prompts import point_messages, skeleton_messages
 from specmesh.skeleton.tools import PassageIndex, passages_for
 from specmesh.skeleton.types import Skeleton
 from target_service.grammars import GrammarConstraint
-from tests.integration.test_coordinator import Cluster
 
 TIMEOUT_S = 60
 QUESTION = "What are some tips for better sleep?"
@@ -281,6 +281,20 @@ def test_a_direct_plan_answers_the_question_plainly(cluster, tokenizer, engine):
     assert [t for r in answer for t in r.token_ids] == expected
     assert answer[-1].skeleton.direct_reason == "the model chose to answer directly"
     assert answer[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and not answer[-1].skeleton.branches
+
+
+def test_a_plan_that_repeats_its_points_is_answered_plainly(cluster, tokenizer, engine):
+    """A plan whose points repeat (what the embedded model wrote for sleep tips) would lose to a plain
+    answer: no branch runs, the request's own prompt is decoded plainly on the main stream, and the
+    skeleton stats say why."""
+    plan = "[PLAN]\n1.<40><None>[-]Dark room\n2.<40><None>[1]dark room.\n[END]"
+    responses = _run(_stream(cluster.address, _request(plan, max_new_tokens=16, ignore_eos=True)))
+    branches = _by_branch(responses)
+    assert set(branches) == {-1, 0}
+    expected = generate(TargetVerifier(engine), None, tokenizer.encode(QUESTION, add_special_tokens=False),
+                        SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)).token_ids
+    assert [t for r in branches[-1] for t in r.token_ids] == expected
+    assert branches[-1][-1].skeleton.direct_reason == 'plan rejected, repeated points: 1 and 2 ("dark room")'
 
 
 def test_a_forced_prefix_outside_the_grammar_is_invalid(cluster):
