@@ -50,7 +50,9 @@ def current_principal() -> str:
 
 @contextmanager
 def principal_scope(principal: str) -> Iterator[None]:
-    """Make `principal` the current one for the block (one RPC: the server runs each in its own task)."""
+    """Make `principal` the current one for the block (one RPC: the server runs each in its own task).
+    The block must end in the task (context) it began in: `servicekit.server` runs a streaming call as
+    one coroutine, never as a generator another task may finalize."""
     token = _principal.set(principal)
     try:
         yield

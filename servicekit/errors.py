@@ -17,6 +17,7 @@ INTERNAL. Deadlines and cancellation are grpc's own: the call's task is cancelle
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -124,8 +125,11 @@ def rpc_method(fn):
         async def stream_wrapper(self, request, context):
             start = time.perf_counter()
             try:
-                async for item in fn(self, request, context):
-                    yield item
+                # aclosing: when this wrapper is closed early (the client left), the method's generator
+                # is closed with it, in the same task, not left to the garbage collector
+                async with contextlib.aclosing(fn(self, request, context)) as items:
+                    async for item in items:
+                        yield item
             except CLIENT_ERRORS as exc:
                 await abort(self, context, exc, start)
             except Exception as exc:  # noqa: BLE001 - the catch-all is the INTERNAL mapping

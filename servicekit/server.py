@@ -188,16 +188,21 @@ class Edge:
             if not inspect.isasyncgenfunction(call):
                 raise TypeError(f"{path}: expected an async generator method")
 
-            async def stream(raw: bytes, context: grpc.aio.ServicerContext):
+            async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> None:
                 request, principal = await admit(raw, context)
                 self.num_calls += 1
                 try:
-                    # aclosing: a stream closed early (the client left) closes the servicer's generator
-                    # here and now, in this call's context, not whenever the garbage collector gets to it
+                    # A coroutine that writes each response, not an async generator handed to grpc: grpc
+                    # drops a generator at its `yield` when the client leaves (the call's task is cancelled
+                    # while it sends), and the garbage collector finalizes it later in a task of its own,
+                    # where resetting the principal fails ("created in a different Context") and the
+                    # servicer's `finally` blocks (closing sessions downstream) run late. Here the
+                    # cancellation lands in this task: the servicer's generator is closed (aclosing) and
+                    # the principal reset now, in this call's context.
                     with principal_scope(principal):
                         async with aclosing(call(request, context)) as responses:
                             async for response in responses:
-                                yield response
+                                await context.write(response)
                 finally:
                     self.num_calls -= 1
 
