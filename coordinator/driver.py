@@ -13,7 +13,8 @@ supplies the verifier and drafter it steps, as failover wrappers over the gRPC a
   No replica left: `NoHealthyReplica`, answered UNAVAILABLE.
 - `FailoverDrafter` drafts on a Draft replica; if it fails, the request goes on with prompt-lookup
   n-gram drafts made here, from the whole context (exact: a deterministic draft). Both say so in
-  `failovers`, which the final stats report.
+  `failovers`, which the final stats report. A request that finds no Draft replica up drafts n-grams
+  from the start: nothing moved, so no failover (its stats' drafter says "ngram").
 """
 
 from __future__ import annotations
@@ -261,8 +262,8 @@ class FailoverDrafter:
             return handle
         try:
             handle.replica = self.pool.acquire()
-        except NoHealthyReplica:
-            self.failovers.add("draft (no healthy replica) -> ngram")
+        except NoHealthyReplica:  # no Draft replica up: this request drafts n-grams from the start, no failover of its own
+            log.debug("no healthy draft replica: n-gram drafts from the start")
             self.current = "ngram"
             return handle
         handle.remote = RemoteDrafter(draft_pb2_grpc.DraftServiceStub(self.pool.channel(handle.replica)), q_dtype=self.q_dtype,

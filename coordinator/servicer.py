@@ -11,6 +11,7 @@ a plan, then branches forked from it, streamed side by side. The Coordinator aut
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
 
@@ -25,15 +26,15 @@ from coordinator.skeleton import Links, SkeletonAnswer, SkeletonRequest
 from servicekit.auth import ANONYMOUS, END_USER_KEY, current_principal
 from servicekit.convert import FINISH_TO_PB, sampling_from_pb, stats_to_pb
 from servicekit.errors import Downstream, Unavailable, rpc_method
-from servicekit.process import process_info_pb
 from servicekit.metrics import ServiceMetrics
+from servicekit.process import process_info_pb
 from servicekit.streams import read_ahead
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.async_driver import AsyncDrafter, TargetInfo, speculative_stream_async
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.verifier import validate_prompt
-from specmesh.models.chat import chat_messages_ids
+from specmesh.models.chat import chat_messages_ids, check_chat_roles
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specmesh.routing.replica import NoHealthyReplica
 from specmesh.skeleton.automaton import SkeletonFormat
@@ -64,7 +65,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.ngram_on_verify = options.ngram_placement == "verify" and verify_drafter == "ngram"
         self.q_dtype = getattr(torch, options.q_dtype)
         self.totals = SpecStats()
-        self.num_requests = self.num_active = self.num_failed = self.num_failovers = 0
+        self.num_requests = self.num_active = self.num_failed = self.num_cancelled = self.num_failovers = 0
         self.num_generated_tokens = 0
 
     @property
@@ -83,14 +84,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return ids
 
     def _prompt_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("input")
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages] if which == "chat" else []
+        if which == "chat":  # only the chat template's roles, whatever the target (ValueError -> INVALID_ARGUMENT)
+            check_chat_roles(self.tokenizer, messages)
         if self.decoder_prompt_ids is not None:
             return list(self.decoder_prompt_ids)
-        which = request.WhichOneof("input")
         if which == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages:
                 raise ValueError("chat needs at least one message")
-            ids = chat_messages_ids(self.tokenizer, messages)
+            ids = chat_messages_ids(self.tokenizer, messages)  # special-token text in a content stays text
         elif which == "prompt":
             ids = list(self.tokenizer.encode(request.prompt, add_special_tokens=False))
         else:
@@ -130,7 +133,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         responses = read_ahead(source, READ_AHEAD_RESPONSES)  # the next round runs while this one is written
         self.num_requests += 1
         self.num_active += 1
-        finished = False
+        finished = cancelled = False
         try:
             async for response in responses:
                 finished = response.branch_id == -1 and response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
@@ -138,6 +141,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     response.mode_choice.CopyFrom(coordinator_pb2.ModeChoice(mode=choice.pb_mode, reason=choice.reason,
                                                                              routed=choice.routed))
                 yield response
+        except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, or its deadline passed
+            cancelled = True
+            raise
         except NoHealthyReplica as exc:
             raise Unavailable(f"no healthy replica: {exc}") from exc
         except grpc.aio.AioRpcError as exc:
@@ -146,7 +152,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             await responses.aclose()
             self.num_active -= 1
             self.num_failovers += len(failovers.events)
-            if not finished:
+            if cancelled and not finished:
+                self.num_cancelled += 1
+            elif not finished:
                 self.num_failed += 1
 
     async def _plain(self, request: coordinator_pb2.GenerateRequest, mode: str, drafter_kind: str, prompt_ids: list[int],
@@ -250,4 +258,5 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return coordinator_pb2.GetStatsResponse(
             num_requests=self.num_requests, num_generated_tokens=self.num_generated_tokens, totals=stats_to_pb(self.totals),
             num_active_requests=self.num_active, num_failed_requests=self.num_failed, num_failovers=self.num_failovers,
+            num_cancelled_requests=self.num_cancelled, max_context_tokens=self.info.max_context,
             replicas=replicas, process=process_info_pb())

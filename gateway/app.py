@@ -6,8 +6,10 @@
     GET  /metrics                                Prometheus, the gateway's own registry (no key needed)
     GET  /info                                   model, modes, drafters, limits, the Coordinator's replicas
 
-A generation: check the key, parse and validate the body (400 in OpenAI's shape), check the model
-(404) and n, open one Coordinator stream per choice and wait until each has answered once, so a
+A generation: check the key, the Content-Type (a JSON one, else 415: a web page's form or text/plain
+POST, which browsers send cross-site without asking, never starts work), parse and validate the body
+(400 in OpenAI's shape), check the model (404), n, and max_tokens against the context the prompt
+leaves (400), open one Coordinator stream per choice and wait until each has answered once, so a
 refusal (429, 503, ...) is the HTTP status; then stream or collect. The client leaving, at any point,
 cancels the Coordinator streams at once (`until_disconnected`), which closes the sessions behind them.
 """
@@ -40,7 +42,7 @@ from gateway.options import GatewayOptions
 from gateway.plan import Plan, chat_plan, completion_plan
 from gateway.render import DONE, ChatRenderer, CompletionRenderer, Tally
 from gateway.schema import MODES, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from gateway.upstream import CoordinatorClient, Generation
+from gateway.upstream import ChoiceStreams, CoordinatorUpstream
 
 log = logging.getLogger("specmesh.gateway")
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/info"})
@@ -101,6 +103,12 @@ class EventStream(StreamingResponse):
             await self.chunks.aclose()  # type: ignore[attr-defined]
 
 
+def _is_json(content_type: str) -> bool:
+    """application/json (any parameters, e.g. charset) or a structured JSON type such as application/merge-patch+json."""
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
+
+
 def _validation_error(exc: ValidationError) -> OpenAIError:
     error = exc.errors()[0]
     param = ".".join(str(part) for part in error["loc"]
@@ -122,11 +130,11 @@ class Gateway:
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="gateway-tokenizer")
         self.keys = ApiKeys(options.auth_token_file)
         self.metrics = GatewayMetrics()
-        self.client: CoordinatorClient | None = None
+        self.client: CoordinatorUpstream | None = None
         self.created = int(time.time())
 
     @property
-    def coordinator(self) -> CoordinatorClient:
+    def coordinator(self) -> CoordinatorUpstream:
         assert self.client is not None, "the app's lifespan opens the Coordinator client"
         return self.client
 
@@ -147,8 +155,10 @@ class Gateway:
             what = f"n = {body.n}" + (f" x {num_prompts} prompts" if num_prompts > 1 else "")
             raise invalid(f"{what} asks for more than the {self.options.max_n} choices allowed per request", "n")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        plan = await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, make_plan, body, self.tokenizer, request_id)
-        generation = Generation(self.coordinator.generate(r, user) for r in plan.requests)
+        max_context = await self.coordinator.max_context()
+        plan = await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, make_plan, body, self.tokenizer, request_id,
+                                                                max_context)
+        generation = ChoiceStreams(self.coordinator.generate(r, user) for r in plan.requests)
         try:
             await until_disconnected(request.receive, generation.start())
         except ClientGone:
@@ -167,7 +177,7 @@ class Gateway:
             return Response(status_code=CLIENT_CLOSED)
         return Response(renderer.body(tally), media_type="application/json", headers=headers)
 
-    async def _collect(self, generation: Generation, tally: Tally) -> None:
+    async def _collect(self, generation: ChoiceStreams, tally: Tally) -> None:
         try:
             async for index, response in generation.events():
                 tally.add(index, response)
@@ -175,7 +185,7 @@ class Gateway:
             await generation.close()
         self._count(tally)
 
-    async def _chunks(self, generation: Generation, tally: Tally, renderer, include_usage: bool,
+    async def _chunks(self, generation: ChoiceStreams, tally: Tally, renderer, include_usage: bool,
                       start: float) -> AsyncIterator[bytes]:
         """The one streaming path: each event's chunks as one write; an error after the first byte
         travels in-band (`data: {"error": ...}`), and the stream always ends with `data: [DONE]`."""
@@ -213,6 +223,11 @@ class Gateway:
                 self.metrics.accepted_tokens.inc(stats.num_accepted_tokens)
 
     async def _body(self, request: Request, schema):
+        content_type = request.headers.get("content-type", "")
+        if not _is_json(content_type):
+            got = f"got {content_type!r}" if content_type else "got none"
+            raise OpenAIError(415, f"the request body must be JSON, sent with 'Content-Type: application/json' ({got})",
+                              code="unsupported_media_type")
         limit = int(self.options.max_request_mb * 2**20)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -274,7 +289,8 @@ class Gateway:
         else:
             coordinator.update(
                 num_requests=stats.num_requests, num_active_requests=stats.num_active_requests,
-                num_failed_requests=stats.num_failed_requests, num_failovers=stats.num_failovers,
+                num_failed_requests=stats.num_failed_requests, num_cancelled_requests=stats.num_cancelled_requests,
+                num_failovers=stats.num_failovers, max_context_tokens=stats.max_context_tokens,
                 num_generated_tokens=stats.num_generated_tokens,
                 replicas=[{"kind": r.kind, "address": r.address, "healthy": r.healthy, "in_flight": r.in_flight}
                           for r in stats.replicas])
@@ -316,7 +332,7 @@ def create_app(options: GatewayOptions, tokenizer) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        gateway.client = CoordinatorClient(options)
+        gateway.client = CoordinatorUpstream(options)
         try:
             yield
         finally:

@@ -26,7 +26,8 @@ HTTP_STATUS_BY_GRPC = {
 }
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled",
+    405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+    499: "cancelled",
     501: "not_implemented_error", 503: "service_unavailable_error", 504: "timeout_error",
 }
 

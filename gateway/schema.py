@@ -14,8 +14,12 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
+from specmesh.models.chat import CHAT_ROLES
+
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**64  # seeds are uint64 on the wire
+MAX_UINT32 = 2**32 - 1  # max_new_tokens and top_k are uint32 on the wire (the context bounds max_tokens further)
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 Mode = Literal["speculative", "fused", "skeleton", "autoregressive"]  # the Coordinator's GenerationMode names
 MODES = get_args(Mode)
 
@@ -37,7 +41,7 @@ class SpecmeshOptions(Strict):
     mode: Mode | None = None  # None = the Coordinator's default
     drafter: Literal["service", "ngram"] | None = None  # speculative mode; None = the Coordinator's default
     k: Annotated[int, Field(ge=0, le=64)] = 0  # draft tokens per round; 0 = adaptive
-    top_k: Annotated[int, Field(ge=0)] = 0  # keep the k most likely tokens; 0 = no limit
+    top_k: Annotated[int, Field(ge=0, le=MAX_UINT32)] = 0  # keep the k most likely tokens; 0 = no limit
     ignore_eos: bool = False  # keep generating past the end-of-sequence token (benchmarks)
     cascade: str = ""  # Stage services the draft climbs first: "" = the Coordinator's, "none" = off
     # the adaptive cascade (LOSSY, opt-in): a number >= 0, or "inf" (lossless; JSON has no infinity);
@@ -103,7 +107,7 @@ class GenerationFields(Strict):
 
 class CompletionRequest(GenerationFields):
     prompt: str | Annotated[list[str], Field(min_length=1)] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None = 16 (OpenAI's default for completions)
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_UINT32)] | None = None  # None = 16 (OpenAI's default for completions)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -144,8 +148,16 @@ class TextPart(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: str  # one of the chat template's roles (`specmesh.models.chat.CHAT_ROLES`) or an alias of one
     content: str | list[TextPart]
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, value: str) -> str:
+        if ROLE_ALIASES.get(value, value) not in CHAT_ROLES:
+            roles = ", ".join([*CHAT_ROLES, *ROLE_ALIASES])
+            raise ValueError(f"role {value[:40]!r} is not supported; use one of: {roles}")
+        return value
 
     @property
     def text(self) -> str:
@@ -153,7 +165,7 @@ class ChatMessage(Strict):
 
     def as_turn(self) -> dict[str, str]:
         """The role / content pair the chat template reads ("developer" is OpenAI's newer "system")."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        return {"role": ROLE_ALIASES.get(self.role, self.role), "content": self.text}
 
 
 class ResponseFormat(Strict):
@@ -162,8 +174,8 @@ class ResponseFormat(Strict):
 
 class ChatCompletionRequest(GenerationFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # wins over max_tokens
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_UINT32)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_UINT32)] | None = None  # wins over max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None

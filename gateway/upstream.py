@@ -1,11 +1,14 @@
 """The Coordinator, seen from the gateway: one channel, and a request's choices as one stream.
 
-    client = CoordinatorClient(options)                      # in the serving loop
-    generation = Generation([client.generate(r, end_user="alice") for r in plan.requests])
-    await generation.start()                                  # every choice answered once, or OpenAIError
-    async for index, response in generation.events():         # GenerateResponses of all choices, as they come
+    upstream = CoordinatorUpstream(options)                   # in the serving loop
+    choices = ChoiceStreams([upstream.generate(r, end_user="alice") for r in plan.requests])
+    await choices.start()                                     # every choice answered once, or OpenAIError
+    async for index, response in choices.events():            # GenerateResponses of all choices, as they come
         ...
-    await generation.close()                                  # cancels what still runs (a client that left)
+    await choices.close()                                     # cancels what still runs (a client that left)
+
+(Not `client.coordinator_client`'s CoordinatorClient / Generation: those are the Python client's, which
+collect one generation for a user; these serve the HTTP side.)
 
 The gateway calls with its own token as a trusted caller and names the user in `specmesh-end-user`,
 so the Coordinator (and the services behind it) see `<gateway>/<user>`: sessions and quotas per user.
@@ -29,7 +32,9 @@ from specmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 HEALTH_TIMEOUT_S = 2.0
 
 
-class CoordinatorClient:
+class CoordinatorUpstream:
+    """The gateway's channel to the Coordinator: Generate streams on behalf of users, health, stats."""
+
     def __init__(self, options: GatewayOptions):
         token = Path(options.coordinator_token_file).read_text().strip() if options.coordinator_token_file else ""
         self.address = options.coordinator
@@ -38,6 +43,7 @@ class CoordinatorClient:
                                     client_cert=options.coordinator_client_cert, client_key=options.coordinator_client_key)
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self._max_context: int | None = None
 
     def generate(self, request: coordinator_pb2.GenerateRequest, end_user: str = "") -> grpc.aio.UnaryStreamCall:
         metadata = ((END_USER_KEY, end_user),) if end_user else None
@@ -57,11 +63,23 @@ class CoordinatorClient:
         except grpc.aio.AioRpcError as exc:
             raise from_grpc(exc) from exc
 
+    async def max_context(self) -> int | None:
+        """The target's context length in tokens (prompt + generated), from the Coordinator's GetStats:
+        asked until it answers once, then kept; None while it is unknown (the Coordinator unreachable,
+        or one too old to say)."""
+        if self._max_context is None:
+            try:
+                stats = await self.stats()
+            except OpenAIError:
+                return None
+            self._max_context = stats.max_context_tokens or None
+        return self._max_context
+
     async def close(self) -> None:
         await self.channel.close()
 
 
-class Generation:
+class ChoiceStreams:
     """A request's choices, one Coordinator stream each, merged into one stream of
     (choice index, GenerateResponse) in arrival order. A failed stream raises `OpenAIError` (its
     gRPC code mapped); an in-band `error_message` is a 500."""

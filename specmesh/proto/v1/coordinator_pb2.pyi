@@ -488,11 +488,19 @@ class GetStatsResponse(_message.Message):
     NUM_FAILOVERS_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     PROCESS_FIELD_NUMBER: _builtins.int
+    NUM_CANCELLED_REQUESTS_FIELD_NUMBER: _builtins.int
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
     num_requests: _builtins.int
     num_generated_tokens: _builtins.int
     num_active_requests: _builtins.int
     num_failed_requests: _builtins.int
+    """ended by an error (client cancels and deadlines not counted)"""
     num_failovers: _builtins.int
+    """moves of a request to another replica or to the fallback drafter"""
+    num_cancelled_requests: _builtins.int
+    """ended by the client: it cancelled the stream or its deadline passed"""
+    max_context_tokens: _builtins.int
+    """the target's context (prompt + generated), from the Verify service"""
     @_builtins.property
     def totals(self) -> _common_pb2.SpeculationStats: ...
     @_builtins.property
@@ -514,10 +522,12 @@ class GetStatsResponse(_message.Message):
         num_failovers: _builtins.int = ...,
         replicas: _abc.Iterable[Global___ReplicaStatus] | None = ...,
         process: _common_pb2.ProcessInfo | None = ...,
+        num_cancelled_requests: _builtins.int = ...,
+        max_context_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["process", b"process", "totals", b"totals"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_active_requests", b"num_active_requests", "num_failed_requests", b"num_failed_requests", "num_failovers", b"num_failovers", "num_generated_tokens", b"num_generated_tokens", "num_requests", b"num_requests", "process", b"process", "replicas", b"replicas", "totals", b"totals"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_context_tokens", b"max_context_tokens", "num_active_requests", b"num_active_requests", "num_cancelled_requests", b"num_cancelled_requests", "num_failed_requests", b"num_failed_requests", "num_failovers", b"num_failovers", "num_generated_tokens", b"num_generated_tokens", "num_requests", b"num_requests", "process", b"process", "replicas", b"replicas", "totals", b"totals"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
