@@ -158,10 +158,33 @@ def _generate_local(args: argparse.Namespace) -> int:
         generator = LocalGenerator(args.model, drafter=args.drafter or "bf16", dtype=args.dtype, quantize=args.quantize)
     except ValueError as exc:
         return fail(str(exc), EXIT_USAGE)
+    if args.json:
+        return _print_local_json(generator, generator.stream_text(args.prompt, params, args.k, chat=not args.raw))
     for text in generator.stream_text(args.prompt, params, args.k, chat=not args.raw):
         print(text, end="", flush=True)
     print()
     print(f"[{generator.last_stats.summary() if generator.last_stats else 'no stats'}]", file=sys.stderr)
+    return EXIT_OK
+
+
+def _print_local_json(generator, texts) -> int:
+    """`--local --json`: the whole generation as one JSON object, with the remote path's keys."""
+    import time
+
+    from client.coordinator_client import Generation, GenerationStats
+    from servicekit.convert import stats_to_pb
+
+    start = time.perf_counter()
+    parts, first_s = [], 0.0
+    for text in texts:
+        first_s = first_s or time.perf_counter() - start
+        parts.append(text)
+    stats = GenerationStats.from_pb(stats_to_pb(generator.last_stats)) if generator.last_stats else None
+    if stats is not None and generator.drafter_name != "none":
+        stats.drafter = generator.drafter_name
+    result = Generation("".join(parts), generator.last_token_ids, generator.last_finish_reason, stats,
+                        time_to_first_token_s=first_s, latency_s=time.perf_counter() - start)
+    print(json.dumps({**asdict(result), "stats": asdict(stats) if stats else None}))
     return EXIT_OK
 
 
@@ -184,7 +207,8 @@ async def _stats(args: argparse.Namespace) -> int:
         return EXIT_OK
     t = stats.totals
     print(f"coordinator {args.address}: {stats.num_requests} requests ({stats.num_active_requests} active, "
-          f"{stats.num_failed_requests} failed), {stats.num_generated_tokens} tokens generated")
+          f"{stats.num_failed_requests} failed, {stats.num_cancelled_requests} cancelled), "
+          f"{stats.num_generated_tokens} tokens generated")
     print(f"  acceptance {t.acceptance_rate:.0%} ({t.num_accepted_tokens}/{t.num_draft_tokens} draft tokens), "
           f"mean accepted length {t.mean_accepted_length:.2f}, {t.num_target_forwards} target forwards, "
           f"{stats.num_failovers} failovers")
@@ -274,9 +298,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # here, where a reader that left (`specmesh stats | head -1`) is handled
+        return code
+    except BrokenPipeError:
+        return _stdout_gone()
     except OSError as exc:  # a token file, a certificate, a prompts file
         return fail(str(exc), EXIT_USAGE)
+
+
+def _stdout_gone() -> int:
+    """stdout's reader closed it early (`| head`): it wanted no more, so stop quietly. stdout goes to
+    /dev/null first, else the interpreter's last flush at exit fails on the same pipe again."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout to redirect (an embedding caller's stream)
+        pass
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -158,13 +158,15 @@ class CoordinatorStats:
     replicas: list[ReplicaStatus]
     num_restarts: int = 0  # of the coordinator's own process, by its launcher
     last_exit: str = ""  # how the coordinator's previous process ended ("" on its first start)
+    num_cancelled_requests: int = 0  # ended by their client (a cancel or its deadline), not failed
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.GetStatsResponse) -> CoordinatorStats:
         return cls(pb.num_requests, pb.num_generated_tokens, pb.num_active_requests, pb.num_failed_requests,
                    pb.num_failovers, GenerationStats.from_pb(pb.totals),
                    [ReplicaStatus(r.kind, r.address, r.healthy, r.in_flight, r.num_readmissions) for r in pb.replicas],
-                   num_restarts=pb.process.num_restarts, last_exit=pb.process.last_exit)
+                   num_restarts=pb.process.num_restarts, last_exit=pb.process.last_exit,
+                   num_cancelled_requests=pb.num_cancelled_requests)
 
 
 SOT_LAYOUTS = {"": common_pb2.BRANCH_LAYOUT_UNSPECIFIED, "batching": common_pb2.BRANCH_LAYOUT_BATCHING,

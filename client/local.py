@@ -46,6 +46,8 @@ class LocalGenerator:
         if self._draft_engine is not None:
             check_draft_compatible(self.engine, self._draft_engine)
         self.last_stats: SpecStats | None = None
+        self.last_token_ids: list[int] = []  # the last generation's tokens, and why it ended (a FinishReason value)
+        self.last_finish_reason: str | None = None
 
     def prompt_ids(self, prompt: str, chat: bool = True) -> list[int]:
         return chat_prompt_ids(self.tokenizer, prompt) if chat else self.tokenizer.encode(prompt)
@@ -75,8 +77,10 @@ class LocalGenerator:
                 draft = ModelDrafter(bind_encoder_input(draft.engine, encoder_ids))
         else:
             verifier, ids = self.verifier, self.prompt_ids(prompt, chat)
+        self.last_token_ids, self.last_finish_reason = [], None
         for event in speculative_stream(verifier, draft, ids, params, k_policy=k_policy, decode=decode):
+            self.last_token_ids += event.token_ids
             if event.finish_reason is not None:
-                self.last_stats = event.stats
+                self.last_stats, self.last_finish_reason = event.stats, event.finish_reason.value
             if event.text:
                 yield event.text
