@@ -64,8 +64,13 @@ class ChatMessage(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """"system", "user" or "assistant" """
+    """"system", "user" or "assistant": of these, the ones the model's chat template renders; any other
+    role (or none) is INVALID_ARGUMENT.
+    """
     content: _builtins.str
+    """Plain text: a special token spelled in it (e.g. "<|im_start|>") is encoded as that text, never as
+    the special token.
+    """
     def __init__(
         self,
         *,
