@@ -24,8 +24,8 @@ from servicekit.batching import WindowBatcher
 from servicekit.convert import DEFAULT_MAX_NEW_TOKENS, kv_usage_pb, model_info_pb, q_dtype_from_pb, sampling_from_pb, token_ids_from_pb
 from servicekit.engine_thread import EngineThread
 from servicekit.errors import Unimplemented, rpc_method
-from servicekit.process import process_info_pb
 from servicekit.metrics import ServiceMetrics
+from servicekit.process import process_info_pb
 from servicekit.rounds import RoundLog
 from servicekit.session_service import SessionService
 from specmesh.decoding.proposal import Drafter, DraftProposal

@@ -15,8 +15,8 @@ from servicekit.convert import (
 )
 from servicekit.engine_thread import EngineThread
 from servicekit.errors import rpc_method
-from servicekit.process import process_info_pb
 from servicekit.metrics import ServiceMetrics
+from servicekit.process import process_info_pb
 from servicekit.session_service import SessionService
 from specmesh.cascade.stage_model import StageModel, StageSession
 from specmesh.decoding.sampling import make_generator
