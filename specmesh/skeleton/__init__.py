@@ -1,6 +1,10 @@
 """Skeleton-of-Thought (Ning et al. 2024): plan first, then write the plan's points in parallel.
 
-One concept per file; none of them touches a model, a session or a socket (the coordinator drives them):
+One concept per file; none of them touches a model or a socket (the answer's sessions come through
+protocols: the Coordinator's gRPC adapters, or in-process objects in a test):
+- answer.py    the sequence: plan -> parse -> plan check -> schedule -> fork -> branches -> merge, as events
+- events.py    what it streams (plan text, branch text, branch end, merged) and its summary
+- sessions.py  what it needs of a verifier (a plan-constrained session, forks) and its session wrappers
 - router.py    SoT or plain decoding for a question (rules with reasons; a request can override)
 - prompts.py   the skeleton prompt and each point's prompt, as chat messages
 - automaton.py the skeleton format as a bounded byte-level DFA
