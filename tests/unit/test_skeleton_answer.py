@@ -44,6 +44,7 @@ DIRECT_REPLY = "Sleep more, worry less."
 FMT = SkeletonFormat(max_points=8)
 MAX_NEW_TOKENS = 40
 SEED = 11
+SLOW_ROUND_S = 0.005  # far below the gate's time bound (ROUND_GATE_MAX_WAIT_S)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,8 @@ class Target:
     plan: str = PLAN
     failing_points: set[int] = field(default_factory=set)  # their rounds raise
     fork_unavailable: bool = False
+    slow_points: set[int] = field(default_factory=set)  # each of their rounds takes SLOW_ROUND_S
+    rounds: list[int] = field(default_factory=list)  # the point of each branch round, in the order they reach the target
     sessions: list[Session] = field(default_factory=list)
     forks: list[tuple[Session, int, Session]] = field(default_factory=list)  # (parent, shared tokens, child)
     plan_opens: list[tuple[SkeletonFormat, int]] = field(default_factory=list)  # (format, forced tokens)
@@ -137,6 +140,10 @@ class Verifier:
         await asyncio.sleep(0)
         if session.point_id in self.target.failing_points:
             raise RuntimeError(f"the replica of point {session.point_id} is on fire")
+        if session.point_id is not None:
+            self.target.rounds.append(session.point_id)
+        if session.point_id in self.target.slow_points:
+            await asyncio.sleep(SLOW_ROUND_S)
         accepted: list[int] = []
         for token in proposal.token_ids:
             if token != session.token(session.num_emitted + len(accepted)):
@@ -334,3 +341,17 @@ def test_a_search_point_gets_passages_from_the_documents(tokenizer):
     prompts = {s.point_id: tokenizer.decode(s.prompt_ids) for s in target.sessions if s.point_id}
     assert "Passages from the provided documents" in prompts[1] and "dark and cool bedroom" in prompts[1]
     assert "Passages from the provided documents" not in prompts[2]
+
+
+def test_sibling_rounds_wait_for_each_other_at_the_gate(tokenizer):
+    """Point 2's rounds are slow, point 1's instant: without the gate point 1 would run ahead; with it,
+    while both run, neither is more than one round ahead of the other."""
+    target = Target(tokenizer, plan="[PLAN]\n1.<12><None>[-]Sleep\n2.<30><None>[-]Food\n[END]", slow_points={2})
+    run(tokenizer, target)
+    totals = {point_id: target.rounds.count(point_id) for point_id in (1, 2)}
+    assert min(totals.values()) > 3
+    counts = {1: 0, 2: 0}
+    for point_id in target.rounds:
+        counts[point_id] += 1
+        if counts[1] < totals[1] and counts[2] < totals[2]:
+            assert abs(counts[1] - counts[2]) <= 1, target.rounds
