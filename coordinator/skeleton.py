@@ -54,7 +54,7 @@ class SkeletonAnswer:
                  final_stats: Callable[[SpecStats], common_pb2.SpeculationStats]):
         self.request = request
         self.links = links
-        links.layout = request.layout
+        links.layout = request.layout  # the Forks ask for the request's layout
         self.final_stats = final_stats
         self.answer = answer.SkeletonAnswer(request, tokenizer, links, offload=run_aside, describe=describe_error)
 

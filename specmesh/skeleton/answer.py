@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specmesh.decoding.async_driver import speculative_stream_async
+from specmesh.decoding.async_driver import AsyncVerifier, speculative_stream_async
 from specmesh.decoding.sampling import MAX_SEED, SamplingParams
 from specmesh.decoding.state import FinishReason
 from specmesh.decoding.stats import SpecStats
@@ -132,7 +132,7 @@ class SkeletonAnswer:
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def _stream(self, verifier, prompt_ids: Sequence[int], params: SamplingParams):
+    def _stream(self, verifier: AsyncVerifier, prompt_ids: Sequence[int], params: SamplingParams):
         return speculative_stream_async(verifier, self.links.drafter(), prompt_ids, params,
                                         k_policy=self.links.k_policy(), decode=self._decode)
 
