@@ -68,10 +68,11 @@ def _services(launcher: LauncherProcess) -> dict[str, tuple[str, int]]:
     return {name: (s.address, s.pid) for name, s in launcher.services().items()}
 
 
-async def _stream(coordinator: str, kill_after: int = 0, kill=None) -> tuple[list[int], coordinator_pb2.GenerateResponse]:
-    request = coordinator_pb2.GenerateRequest(prompt=PROMPT, mode=coordinator_pb2.GENERATION_MODE_SPECULATIVE, drafter="service",
-                                              num_draft_tokens=2, sampling=common_pb2.SamplingParams(
-                                                  temperature=0, ignore_eos=True, max_new_tokens=MAX_NEW_TOKENS))
+async def _stream(coordinator: str, kill_after: int = 0, kill=None, *, mode: int = coordinator_pb2.GENERATION_MODE_SPECULATIVE,
+                  **sampling) -> tuple[list[int], coordinator_pb2.GenerateResponse]:
+    request = coordinator_pb2.GenerateRequest(prompt=PROMPT, mode=mode, drafter="service" if mode == coordinator_pb2.GENERATION_MODE_SPECULATIVE else "",
+                                              sampling=common_pb2.SamplingParams(**{
+                                                  "temperature": 0, "ignore_eos": True, "max_new_tokens": MAX_NEW_TOKENS, **sampling}))
     async with grpc.aio.insecure_channel(coordinator) as channel:
         tokens, last = [], None
         async for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=60):
@@ -98,6 +99,16 @@ def _restarted(launcher: LauncherProcess, name: str) -> int:
     return launcher.services()[name].pid
 
 
+def _back_in_the_coordinator(coordinator: str, address: str, timeout_s: float) -> bool:
+    """Wait until the coordinator has re-admitted the replica at `address` after it was out."""
+    async def back() -> bool:
+        async with CoordinatorClient(coordinator) as client:
+            stats = await client.stats()
+        return any(r.address == address and r.healthy and r.num_readmissions >= 1 for r in stats.replicas)
+
+    return wait_for(lambda: asyncio.run(back()), timeout_s)
+
+
 def _kill_and_check_back(launcher: LauncherProcess, reference: list[int], choose_victim) -> tuple[str, list[str]]:
     services = _services(launcher)
     coordinator = services["coordinator"][0]
@@ -115,12 +126,7 @@ def _kill_and_check_back(launcher: LauncherProcess, reference: list[int], choose
     assert pid != services[victim[0]][1]
     address = services[victim[0]][0]
 
-    async def back_in_the_coordinator() -> bool:
-        async with CoordinatorClient(coordinator) as client:
-            stats = await client.stats()
-        return any(r.address == address and r.healthy and r.num_readmissions >= 1 for r in stats.replicas)
-
-    assert wait_for(lambda: asyncio.run(back_in_the_coordinator()), BACK_WITHIN_S - (time.monotonic() - killed_s))
+    assert _back_in_the_coordinator(coordinator, address, BACK_WITHIN_S - (time.monotonic() - killed_s))
     report = asyncio.run(probe(Target(address)))
     assert report.ok and "killed by SIGKILL" in str(report.details.get("restarts")), report.line()
     for _ in range(2):  # the next requests succeed, exactly
@@ -136,6 +142,26 @@ def test_a_killed_draft_comes_back_and_nothing_is_lost(launched, reference):
 def test_a_killed_verify_replica_comes_back_and_nothing_is_lost(launched, reference):
     name, _ = _kill_and_check_back(launched, reference, _busy_verify)
     assert name.startswith("verify-")
+
+
+def test_a_seeded_stream_keeps_its_tokens_when_its_replica_is_killed(launched):
+    """Seeded sampling (the coupled rule, the default with a seed): the speculative stream whose Verify
+    replica is SIGKILLed mid-stream gives the tokens of autoregressive decoding with that seed."""
+    coordinator = _services(launched)["coordinator"][0]
+    seeded = {"temperature": 0.9, "seed": 1234}
+    expected, _ = asyncio.run(_stream(coordinator, mode=coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE, **seeded))
+    victim: list[str] = []
+
+    def kill() -> None:
+        services = _services(launched)
+        victim.append(_busy_verify(services))
+        os.kill(services[victim[0]][1], signal.SIGKILL)
+
+    tokens, last = asyncio.run(_stream(coordinator, 10, kill, **seeded))
+    assert "verify" in " ".join(last.stats.failovers)
+    assert tokens == expected
+    _restarted(launched, victim[0])
+    assert _back_in_the_coordinator(coordinator, _services(launched)[victim[0]][0], BACK_WITHIN_S)
 
 
 def test_a_drained_replica_stays_down_and_the_rest_serves(launched, reference):
