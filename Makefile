@@ -33,12 +33,15 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# plain `pytest` (pyproject: tests and the library's doctests; the contract suite skips itself there),
+# then the contract suite in a pytest process of its own (tests/contract/conftest.py says why).
+# pytest exits 5 when it collects nothing: make fails on it like on any other error.
 test: install proto-check model
-	$(PY) -m pytest tests specmesh --doctest-modules -q --ignore=tests/contract
+	$(PY) -m pytest -q
 	$(PY) -m pytest tests/contract -q
 
 test-fast: install
-	$(PY) -m pytest tests specmesh --doctest-modules -q -m "not slow" --ignore=tests/contract
+	$(PY) -m pytest -q -m "not slow"
 	$(PY) -m pytest tests/contract -q
 
 bench: install model

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from client.cli import EXIT_OK, fail, make_client, run_async, sampling_kwargs
+from client.cli_common import EXIT_OK, fail, make_client, run_async, sampling_kwargs
 from client.coordinator_client import CoordinatorClient, CoordinatorError
 
 DEFAULT_PROMPTS = (

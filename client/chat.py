@@ -18,7 +18,7 @@ import contextlib
 import sys
 from dataclasses import dataclass, field
 
-from client.cli import EXIT_OK, explain, fail, make_client, printer, stats_line
+from client.cli_common import EXIT_OK, explain, fail, make_client, printer, stats_line
 from client.coordinator_client import DRAFTERS, MODES, CoordinatorClient, CoordinatorError, Generation
 
 HELP = """commands:

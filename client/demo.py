@@ -76,7 +76,7 @@ def _speculative_vs_plain(generator, run: Run) -> None:
 
 
 async def _through_the_coordinator(address: str, runs: list[Run]) -> None:
-    from client.cli import printer, stats_line
+    from client.cli_common import printer, stats_line
     from client.coordinator_client import CoordinatorClient
 
     async with CoordinatorClient(address) as client:

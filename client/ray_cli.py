@@ -1,4 +1,4 @@
-"""`specmesh ray up|down|status`: a cluster YAML on Ray (`specmesh/deploy/ray_cluster.py`; needs the
+"""`specmesh ray up|down|status`: a cluster YAML on Ray (`client/ray_cluster.py`; needs the
 `ray` extra: pip install 'specmesh[ray]').
 
     specmesh ray up configs/ray.yaml                     # a local Ray cluster, in the foreground: Ctrl-C drains and stops
@@ -53,7 +53,7 @@ def _import_ray():
 
 
 def _up(args: argparse.Namespace) -> int:
-    from specmesh.deploy.ray_cluster import RayCluster, load_ray_config
+    from client.ray_cluster import RayCluster, load_ray_config
 
     ray = _import_ray()
     if ray is None:
@@ -102,13 +102,13 @@ def _interrupt(signum, frame) -> None:
 
 
 def _namespace(args: argparse.Namespace) -> str:
-    from specmesh.deploy.ray_cluster import DEFAULT_NAMESPACE
+    from client.ray_cluster import DEFAULT_NAMESPACE
 
     return args.namespace or DEFAULT_NAMESPACE
 
 
 def _down(args: argparse.Namespace) -> int:
-    from specmesh.deploy.ray_cluster import down
+    from client.ray_cluster import down
 
     ray = _import_ray()
     if ray is None:
@@ -120,7 +120,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from specmesh.deploy.ray_cluster import REGISTRY_NAME
+    from coordinator.discovery import REGISTRY_NAME
 
     ray = _import_ray()
     if ray is None:

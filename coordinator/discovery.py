@@ -32,6 +32,7 @@ from specmesh.routing.discovery import unique
 
 log = logging.getLogger("specmesh.coordinator")
 DEFAULT_RAY_NAMESPACE = "specmesh"
+REGISTRY_NAME = "specmesh-registry"  # the Ray actor `specmesh ray up` registers replicas in (client/ray_cluster.py)
 RAY_TIMEOUT_S = 5.0  # one registry read
 
 
@@ -99,8 +100,6 @@ class RaySource:
 
     def resolve(self) -> list[str]:
         import ray
-
-        from specmesh.deploy.ray_cluster import REGISTRY_NAME
 
         if not ray.is_initialized():
             ray.init(address=self.address, namespace=self.namespace, log_to_driver=False, logging_level=logging.WARNING)

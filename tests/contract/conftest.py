@@ -9,7 +9,7 @@ the way a user runs our tools.
 Why this suite runs alone: the generated modules are flat (`verify_pb2`, ...) and register the
 same message names (`specmesh.v1.*`) as the project's own stubs (`specmesh.proto.v1`), so the two
 cannot share one protobuf descriptor pool. `make test` runs `pytest tests/contract` as a pytest
-process of its own, and the main run passes `--ignore=tests/contract`; mixed into another run,
+process of its own after the main run (plain `pytest`); mixed into another run, as in that one,
 these tests skip themselves.
 
 Services are shared by the whole suite (starting one costs seconds); every test opens its own

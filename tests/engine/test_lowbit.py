@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_helpers import random_ids
 
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.proposal import DraftProposal
@@ -23,7 +24,6 @@ from specmesh.models.lowbit.gguf_file import read_gguf
 from specmesh.models.lowbit.quantize import HEAD_FORMATS, quantize_checkpoint
 from specmesh.models.native_engine import NativeEngine
 from specmesh.models.weights import load_tensors
-from tests.engine.engine_helpers import random_ids
 
 PROMPTS = [[5, 17, 33, 5, 17, 33, 5, 17, 33, 5], [100, 7, 250, 31, 9, 60, 12, 200, 4, 4, 99, 1, 3], [42, 43]]
 # (family, tiny-model options, quantize kind): every kind, tied and untied heads, qkv bias, K-quant rows

@@ -2,7 +2,7 @@
 
 import pytest
 
-from client.cli import sampling_kwargs, sampling_parser
+from client.cli_common import sampling_kwargs, sampling_parser
 from client.coordinator_client import generate_request
 from specmesh.proto.v1 import common_pb2
 

@@ -59,8 +59,9 @@ def test_server_picks_and_reports_a_seed(wire):
 
 
 def test_sampled_draft_needs_q_or_deterministic_flag(wire):
-    """A sampled session cannot judge draft tokens without q, unless the draft says it is one-hot."""
-    opened = wire.open(PROMPT_A, **SAMPLED, seed=3, max_new_tokens=20)
+    """A sampled session of the standard rule cannot judge draft tokens without q, unless the draft
+    says it is one-hot (the coupled rule reads no q: test_coupled.py)."""
+    opened = wire.open(PROMPT_A, **SAMPLED, seed=3, max_new_tokens=20, acceptance_rule=wire.pb.common.ACCEPTANCE_RULE_STANDARD)
     try:
         draft = [opened.first_token_id] * 3
         assert_code(INVALID_ARGUMENT, lambda: wire.verify(opened.session_id, draft))
@@ -77,8 +78,9 @@ def test_sampled_draft_needs_q_or_deterministic_flag(wire):
 
 def test_stage_sampled_draft_needs_q_or_deterministic_flag(wire):
     pb = wire.pb.stage
+    standard = wire.pb.common.ACCEPTANCE_RULE_STANDARD
     opened = wire.stage_stub.OpenSession(pb.StageOpenSessionRequest(
-        prompt_token_ids=PROMPT_A, sampling=wire.sampling(**SAMPLED, seed=3)), timeout=DEADLINE_S)
+        prompt_token_ids=PROMPT_A, sampling=wire.sampling(**SAMPLED, seed=3, acceptance_rule=standard)), timeout=DEADLINE_S)
     try:
         request = dict(session_id=opened.session_id, draft_token_ids=[PROMPT_A[0]] * 3, num_extend_tokens=2)
         assert_code(INVALID_ARGUMENT, lambda: wire.stage_stub.VerifyAndExtend(

@@ -14,7 +14,8 @@ placement by resources (`num_gpus`, `num_cpus`, custom resources such as `edge: 
 (`max_restarts`), and a place to register replicas for discovery.
 
 How it fits together:
-- `ServiceRegistry` (actor "specmesh-registry" in the namespace): replica name -> (kind, address).
+- `ServiceRegistry` (actor "specmesh-registry" in the namespace, `coordinator.discovery.REGISTRY_NAME`):
+  replica name -> (kind, address).
   A replica registers once its server is SERVING (it prints "listening on host:port" after health is
   SERVING), again after every restart (new port); `down` unregisters before stopping.
 - `ServiceReplica` (actor "<service>-<i>"): starts the service process on its node, bound to the
@@ -51,12 +52,12 @@ from typing import Any
 import yaml
 
 from client.cluster_config import MODULES, ServiceSpec, load_cluster_config
+from coordinator.discovery import DEFAULT_RAY_NAMESPACE, REGISTRY_NAME
 from servicekit.options import to_argv
 
 log = logging.getLogger("specmesh.deploy")
 
-REGISTRY_NAME = "specmesh-registry"
-DEFAULT_NAMESPACE = "specmesh"
+DEFAULT_NAMESPACE = DEFAULT_RAY_NAMESPACE  # the namespace `ray:kind` discovery reads when the address names none
 DEFAULT_LOG_DIR = "/tmp/specmesh-ray"
 LISTENING = re.compile(rb"listening on (\S+):(\d+)(?:, metrics on :(\d+))?")  # what serve_main prints once SERVING
 START_TIMEOUT_S = 900.0  # loading a model; a replica not serving by then fails its actor
@@ -185,7 +186,7 @@ class ServiceReplica:
         self.metrics_port: int | None = None
         self._stopping = False
         self._ready = threading.Event()
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[1]  # the repository: the service runs `python -m <its package>` from it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
                "RAY_NAMESPACE": namespace}
         gcs_address = ray.get_runtime_context().gcs_address
