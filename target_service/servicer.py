@@ -12,6 +12,7 @@ bound to it; its rounds then run on the shared verifier like any other session's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -19,13 +20,12 @@ from collections.abc import Sequence
 from servicekit.convert import FINISH_TO_PB, check_draft_has_q, kv_usage_pb, model_info_pb, sampling_from_pb, stats_to_pb, token_ids_from_pb
 from servicekit.engine_thread import EngineThread, run_aside
 from servicekit.errors import FailedPrecondition, Unimplemented, message_for, rpc_method, status_for
-from servicekit.process import process_info_pb
 from servicekit.metrics import ServiceMetrics
+from servicekit.process import process_info_pb
 from servicekit.session_service import STATE_PRESERVING_ERRORS, SessionService
 from servicekit.streams import read_ahead
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
-from specmesh.decoding.speculative import speculative_stream
 from specmesh.decoding.state import SpeculationState, draft_seed
 from specmesh.decoding.verifier import TargetSession, TargetVerifier, validate_prompt
 from specmesh.drafters.model import ModelDrafter
@@ -53,8 +53,9 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         metrics.watch_kv(engine.kv_usage)
         metrics.watch_engine(lambda: engine.stats)
         self.fused_drafter = fused_drafter
+        self._generating = 0  # Generate streams in progress: callers of the batcher without a session id
         self.batcher = VerifyBatcher(self.engine_thread, self.verifier, options.batch_window_ms, options.max_batch_tokens, metrics,
-                                     expected_callers=lambda: self.num_sessions)
+                                     expected_callers=lambda: self.num_sessions + self._generating)
         self.grammars = SkeletonGrammars(model_folder, engine.vocab_size, engine.eos_token_ids, options.skeleton_grammars)
 
     @property
@@ -424,21 +425,44 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                 yield response
 
     async def _generate(self, prompt: list[int], params: SamplingParams, encoder_input_ids: list[int]):
-        stream = speculative_stream(self._opener(encoder_input_ids), None, prompt, params)
+        """Run's path without a session id: OpenSession's prefill, then target-only rounds through the
+        batcher (so they share forwards with other sessions' rounds), each round submitted before the one
+        before it is written to the caller (`read_ahead`), the one set of finish rules in the round's
+        `SpeculationState`. The sequence is freed when the stream ends, also on cancel."""
+        generator, seed = make_generator(params.seed, self.engine.device)
+        params = dataclasses.replace(params, seed=seed)  # the seed the generator uses, as OpenSession's session keeps it
+        self._generating += 1
+        begun: list[TargetSession] = []
         try:
-            while True:
-                event = await self.engine_thread.run(next, stream, None)
-                if event is None:
-                    return
-                response = verify_pb2.VerifyGenerateResponse(token_ids=event.token_ids)
+            start = time.perf_counter()
+            begun.append(await self._prefill(prompt, params, generator, encoder_input_ids=encoder_input_ids))
+            target = begun[0]
+            state = SpeculationState(params, num_prompt_tokens=len(prompt), max_context=self.engine.max_context,
+                                     eos_token_ids=self.engine.eos_token_ids, has_drafter=False, seed=seed,
+                                     vocab_size=self.vocab_size)
+
+            def response(event) -> verify_pb2.VerifyGenerateResponse:
+                pb = verify_pb2.VerifyGenerateResponse(token_ids=event.token_ids)
                 if event.finish_reason is not None:
-                    response.finish_reason = FINISH_TO_PB[event.finish_reason]
-                    response.stats.CopyFrom(stats_to_pb(event.stats))
-                yield response
-                if event.finish_reason is not None:
-                    return
+                    pb.finish_reason = FINISH_TO_PB[event.finish_reason]
+                    pb.stats.CopyFrom(stats_to_pb(event.stats))
+                return pb
+
+            async def rounds():
+                yield response(state.start(target.pending_token_id, (time.perf_counter() - start) * 1e3))
+                while not state.finished:
+                    state.next_k()
+                    result: VerifyResult = await self.batcher.verify(target, DraftProposal(token_ids=[]))
+                    outcome = result.outcome
+                    yield response(state.record(0, outcome.num_accepted, outcome.token_ids, 0.0, result.verify_ms,
+                                                result.cost))
+
+            async for pb in read_ahead(rounds(), RUN_AHEAD_ROUNDS):
+                yield pb
         finally:
-            await self.engine_thread.run(stream.close)  # frees the session, also on cancel
+            self._generating -= 1
+            if begun:  # queued after any forward in flight that still holds the sequence
+                await asyncio.shield(self.engine_thread.run(self.verifier.close, begun[0]))
 
     @rpc_method
     async def GetInfo(self, request, context) -> verify_pb2.VerifyGetInfoResponse:

@@ -48,7 +48,8 @@ def default_kernel(dtype: torch.dtype, device: torch.device) -> str:
 class Linear:
     """y = x @ weight.T + bias for x: [num_tokens, in_features] -> [num_tokens, out_features]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "plain"):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "plain", keep_weight: bool = False):
+        """keep_weight: keep the row-major `weight` beside a packed copy (the float32 fast path reads it)."""
         if kernel not in KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
         self.out_features, self.in_features = weight.shape
@@ -61,7 +62,8 @@ class Linear:
             self.weight = None  # only the int8 copy is kept
         elif kernel == "onednn":
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, ONEDNN_PACK_ROWS)
-            self.weight = None  # only the blocked copy is kept
+            if not keep_weight:
+                self.weight = None  # only the blocked copy is kept
 
     @property
     def nbytes(self) -> int:
@@ -112,18 +114,19 @@ class ConcatLinear:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-def make_linear(weight: WeightLike, bias: torch.Tensor | None, kernel: str) -> Linear | QuantLinear:
+def make_linear(weight: WeightLike, bias: torch.Tensor | None, kernel: str, keep_weight: bool = False) -> Linear | QuantLinear:
     """QuantLinear for a QuantWeight, else Linear with `kernel`."""
     if isinstance(weight, QuantWeight):
         return QuantLinear(weight, bias)
-    return Linear(weight, bias, kernel)
+    return Linear(weight, bias, kernel, keep_weight)
 
 
-def fused_linear(weights: Sequence[WeightLike], biases: Sequence[torch.Tensor] | None, kernel: str) -> Linear | QuantLinear | ConcatLinear:
+def fused_linear(weights: Sequence[WeightLike], biases: Sequence[torch.Tensor] | None, kernel: str,
+                 keep_weight: bool = False) -> Linear | QuantLinear | ConcatLinear:
     """One layer computing the given layers' outputs concatenated (q/k/v, gate/up)."""
     bias = None if biases is None else torch.cat(list(biases))
     if all(isinstance(w, torch.Tensor) for w in weights):
-        return Linear(torch.cat(list(weights)), bias, kernel)  # type: ignore[arg-type]
+        return Linear(torch.cat(list(weights)), bias, kernel, keep_weight)  # type: ignore[arg-type]
     quantized = [w for w in weights if isinstance(w, QuantWeight)]
     if len(quantized) == len(weights) and can_concatenate(quantized):
         return QuantLinear(concatenate(quantized), bias)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specmesh.kv.cache import PagedKVCache
+from specmesh.models import fastpath
 from specmesh.models.config import LlamaFamilyConfig
 from specmesh.models.linear import ConcatLinear, Linear, fused_linear, make_linear
 from specmesh.models.lowbit.kernel import invariant_attention
@@ -79,6 +80,11 @@ class LlamaFamilyModel:
         def maybe(name: str):
             return take(name) if name in tensors else None
 
+        # the float32 fast path multiplies the row-major weights itself; a packed oneDNN copy beside them
+        # serves the longer forwards (prefill), where its blocked matmul is faster than sgemm
+        has_quantized = any(isinstance(v, QuantWeight) for v in tensors.values())
+        fast = fastpath.eligible(c, dtype, device, kernel, has_quantized)
+
         self.embed = take("model.embed_tokens.weight")  # [vocab, hidden] (a QuantWeight when tied to a low-bit lm_head)
         self.layers: list[DecoderLayer] = []
         for i in range(c.num_layers):
@@ -88,12 +94,13 @@ class LlamaFamilyModel:
             self.layers.append(
                 DecoderLayer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=fused_linear([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], qkv_b, kernel),
+                    qkv=fused_linear([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], qkv_b, kernel, fast),
                     qk_norm=self._qk_norm(take, p) if c.qk_norm else None,
-                    o=make_linear(take(p + "self_attn.o_proj.weight"), maybe(p + "self_attn.o_proj.bias"), kernel),
+                    o=make_linear(take(p + "self_attn.o_proj.weight"), maybe(p + "self_attn.o_proj.bias"), kernel, fast),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=fused_linear([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], gate_up_b, kernel),
-                    down=make_linear(take(p + "mlp.down_proj.weight"), maybe(p + "mlp.down_proj.bias"), kernel),
+                    gate_up=fused_linear([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], gate_up_b, kernel,
+                                         fast),
+                    down=make_linear(take(p + "mlp.down_proj.weight"), maybe(p + "mlp.down_proj.bias"), kernel, fast),
                     sliding_window=c.sliding_windows[i],
                 )
             )
@@ -102,12 +109,13 @@ class LlamaFamilyModel:
         if lm_head is None or c.tie_word_embeddings:
             lm_head = self.embed
         # int8-dynamic drafts keep the vocab projection in the model dtype: it is the most sensitive matmul
-        self.lm_head = make_linear(lm_head, None, "onednn" if kernel == "int8-dynamic" else kernel)
+        self.lm_head = make_linear(lm_head, None, "onednn" if kernel == "int8-dynamic" else kernel, fast)
         self.cos, self.sin = rope_tables(c.rope_parameters, c.head_dim, c.max_context, dtype, device)
         self.scale = c.head_dim**-0.5
         # low-bit layers round activations to 8 bits, which would turn SDPA's batch-dependent last bits into
         # different codes: their attention is the fixed-order kernel (attention.cpp), so rows stay bit-identical
         self.invariant_attention = any(isinstance(layer.qkv, QuantLinear) for layer in self.layers)
+        self.fast: fastpath.FastForward | None = fastpath.FastForward(self) if fast else None
 
     def _qk_norm(self, take, prefix: str) -> torch.Tensor:
         c = self.config

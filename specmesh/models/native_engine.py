@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from specmesh.kv.cache import PagedKVCache
+from specmesh.models import fastpath
 from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, NO_PARENT, ContextLengthError, EngineStats, KvUsage, SeqInput
 from specmesh.models.llama import AttentionBatch, LlamaFamilyModel
 
@@ -169,9 +170,15 @@ class NativeEngine:
             for item in batch:
                 new_slots += self.cache.append(item.seq_id, len(item.token_ids))
                 appended += 1
-            with torch.inference_mode():
-                attention, token_ids, logits_rows = self._attention_batch(batch, starts, new_slots)
-                logits = self.model.forward(token_ids, attention, self.cache, logits_rows)
+            if self._fast_eligible(batch, len(new_slots)):
+                logits = self._fast_forward(batch, starts, new_slots)
+                # the rows the grouped layout would attend (the stat counts layouts, whichever kernel ran)
+                num_rows = len(batch) if all(item.group is None for item in batch) else len(attention_rows(batch))
+            else:
+                with torch.inference_mode():
+                    attention, token_ids, logits_rows = self._attention_batch(batch, starts, new_slots)
+                    logits = self.model.forward(token_ids, attention, self.cache, logits_rows)
+                num_rows = attention.batch_size
         except BaseException:
             for item, start in zip(batch[:appended], starts):
                 self.cache.blocks.truncate(item.seq_id, start)
@@ -180,9 +187,61 @@ class NativeEngine:
             self._last_forward[item.seq_id] = (start, None if item.parents is None else list(item.parents), len(item.token_ids))
         self.stats.num_forwards += 1
         self.stats.num_sequences_forwarded += len(batch)
-        self.stats.num_tokens_forwarded += token_ids.shape[0]
-        self.stats.num_attention_rows += attention.batch_size
+        self.stats.num_tokens_forwarded += len(new_slots)
+        self.stats.num_attention_rows += num_rows
+        if len(batch) == 1:
+            return [logits]
         return list(logits.split([len(item.logits_at) for item in batch]))
+
+    def _fast_eligible(self, batch: Sequence[SeqInput], num_tokens: int) -> bool:
+        """The float32 fast path (specmesh/models/fastpath.py) serves this forward: at most MAX_ROWS new
+        tokens. One-sequence groups need no layout of their own there: each query reads its own sequence's
+        keys through its block table, the very keys (shared prefix, then its own region) that the grouped
+        layout's mask leaves it."""
+        return self.model.fast is not None and num_tokens <= fastpath.MAX_ROWS
+
+    def _fast_forward(self, batch: Sequence[SeqInput], starts: list[int], new_slots: list[int]) -> torch.Tensor:
+        """fastpath.cpp's per-call layout (its header says it) for the batch, and the call."""
+        blocks = self.cache.blocks
+        tables = [blocks.block_table(item.seq_id) for item in batch]
+        max_blocks = max(len(t) for t in tables)
+        counts = [len(item.token_ids) for item in batch]
+        n = len(new_slots)
+        trees = any(item.parents is not None for item in batch)
+        tree_width = max(counts) if trees else 0
+        num_logits = sum(len(item.logits_at) for item in batch)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        row_seq: list[int] = []
+        row_start: list[int] = []
+        row_end: list[int] = []
+        row_first: list[int] = []
+        logits_rows: list[int] = []
+        tree: list[int] = []
+        for b, (item, start, count) in enumerate(zip(batch, starts, counts)):
+            first = len(token_ids)
+            token_ids += item.token_ids
+            if item.parents is None:
+                positions += range(start, start + count)
+            else:
+                positions += [start + d for d in tree_depths(item.parents)]
+            row_seq += [b] * count
+            row_start += [start] * count
+            row_end += [start + count] * count
+            row_first += [first] * count
+            logits_rows += [first + i for i in item.logits_at]
+            if trees:
+                visible = own_mask(item).tolist() if item.parents is not None else [
+                    [j <= i for j in range(count)] for i in range(count)]
+                for row in visible:
+                    tree += [int(v) for v in row] + [0] * (tree_width - count)
+        meta = [n, len(batch), max_blocks, blocks.block_size, num_logits, tree_width, self.cache.k.shape[1]]
+        meta += token_ids + positions + new_slots + row_seq + row_start + row_end + row_first + logits_rows
+        for table in tables:
+            meta += table + [0] * (max_blocks - len(table))
+        meta += tree
+        assert self.model.fast is not None  # `_fast_eligible`
+        return self.model.fast(self.cache, meta, num_logits)
 
     def _validate(self, batch: Sequence[SeqInput]) -> None:
         if not batch:

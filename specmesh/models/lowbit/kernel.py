@@ -61,27 +61,29 @@ def _compiler_version(compiler: str) -> str:
     return result.stdout.splitlines()[0] if result.returncode == 0 and result.stdout else ""
 
 
-def build(compiler: str, cache_dir: Path, arch_flags: tuple[list[str], ...] = ARCH_FLAGS) -> Path:
-    """The shared library for the first of `arch_flags` the compiler accepts (cached by content hash)."""
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+def build(compiler: str, cache_dir: Path, arch_flags: tuple[list[str], ...] = ARCH_FLAGS,
+          sources: list[Path] = SOURCES, name: str = "lowbit") -> Path:
+    """The shared library `name`-<hash>.so of `sources` for the first of `arch_flags` the compiler
+    accepts (cached by content hash)."""
+    source = b"\0".join(path.read_bytes() for path in sources)
     version = _compiler_version(compiler)
     errors = []
     for arch in arch_flags:
         flags = FLAGS + arch
         key = hashlib.sha1(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_flags().encode()])).hexdigest()[:16]
-        library = cache_dir / f"lowbit-{key}.so"
+        library = cache_dir / f"{name}-{key}.so"
         if library.is_file():
             return library
         cache_dir.mkdir(parents=True, exist_ok=True)
-        handle, staging = tempfile.mkstemp(prefix=".lowbit-", suffix=".so", dir=cache_dir)
+        handle, staging = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=cache_dir)
         os.close(handle)
-        result = subprocess.run([compiler, *flags, "-o", staging, *map(str, SOURCES)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, "-o", staging, *map(str, sources)], capture_output=True, text=True)
         if result.returncode == 0:
             os.replace(staging, library)
             return library
         os.unlink(staging)
         errors.append(result.stderr.strip().splitlines()[-1:] or ["failed"])
-    raise RuntimeError(f"{compiler} could not build {', '.join(p.name for p in SOURCES)}: {errors}")
+    raise RuntimeError(f"{compiler} could not build {', '.join(p.name for p in sources)}: {errors}")
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,323 @@
+// The whole float32 forward of a Llama-family model over a few rows (decode steps, verify chains and
+// trees, a batch of sessions' rounds) in ONE call: no Python and no ATen dispatch per layer. Torch's
+// eager forward issues ~30 operators per layer (~900 per decode step of a 30-layer model), each a few
+// microseconds of Python and dispatch, and its matmul for one row is oneDNN's; here a step is the
+// weights streamed once by hand-written dot products plus a few barriers.
+//
+// Every row is computed the same way whatever else is in the call: its norms, its dot products (per output
+// j: two 8-lane accumulators over alternate 8-float vectors of the input, then a fixed tree), its rope, its
+// attention (keys visited in key order, fixed-order sums) and its activation. The rows' results are
+// equal bit for bit to those of the same row alone, so a verify forward of k + 1 tokens gives, token for
+// token, the logits (and KV) the k + 1 one-token steps would, and speculative decoding equals plain
+// decoding exactly; and the thread count does not change any number either (threads split outputs, never
+// a sum).
+//
+// Layout. `model` (int64, built once by fastpath.py): [num_layers, hidden, heads, kv_heads, head_dim,
+// intermediate, vocab, embed, final_norm, lm_head, cos, sin] then per layer LAYER_FIELDS pointers
+// [input_norm, qkv_w, qkv_b, qk_norm, o_w, o_b, post_norm, gate_up_w, gate_up_b, down_w, down_b, window]
+// (a null pointer: no bias / no qk norm; window 0: full attention). Weights are row-major [out, in]; q/k/v
+// and gate/up are fused (q rows, then k, then v; gate rows, then up). The KV cache is [layers, slots,
+// kv_heads, head_dim] for K and for V.
+// `meta` (int64, per call): [n, num_seqs, max_blocks, block_size, num_logits, tree_width, cache_slots]
+// then n token ids, n positions, n new slots, n sequence indices, n first keys of the row's new tokens
+// (= the sequence's cached length), n key ends (keys [0, end) of the row's sequence are candidates), n first
+// rows (the row of the sequence's first new token), num_logits rows, num_seqs * max_blocks block table
+// entries, and, when tree_width > 0, n * tree_width visibility bytes stored as int64 0/1 (row r sees new
+// key i of its sequence iff set; without them a row sees the new keys up to itself: a chain).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <omp.h>
+#include <sched.h>
+
+namespace {
+
+typedef float f32x8 __attribute__((vector_size(32)));
+constexpr int64_t LAYER_FIELDS = 12;
+constexpr int64_t HEADER = 12;  // model fields before the layers
+
+inline f32x8 load8(const float *p) {
+    f32x8 v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+inline void store8(float *p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float tree_sum(f32x8 v) {
+    float t[8];
+    std::memcpy(t, &v, sizeof(t));
+    for (int width = 4; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) t[i] = t[i] + t[i + width];
+    return t[0];
+}
+
+// Y[m, j] (=, or += with accumulate) x_m . W_j (+ b_j) for m < M, j in [j0, j1) (multiples of 4 apart).
+// K % 8 == 0. Four weight rows at a time stay in L1 while every input row meets them; per (m, j) the sum is
+// always the same: even vectors into one accumulator, odd into another, then their sum's fixed tree.
+void gemv(const float *X, int64_t M, int64_t K, const float *W, const float *bias, int64_t j0, int64_t j1,
+          float *Y, int64_t ldy, bool accumulate) {
+    const int64_t pairs = K / 16;
+    const bool odd = (K / 8) % 2;
+    for (int64_t j = j0; j < j1; j += 4) {
+        const float *w0 = W + j * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+        if (j + 4 < j1) {
+            for (int64_t i = 0; i < 4 * K; i += 16) __builtin_prefetch(w0 + 4 * K + i);
+        }
+        for (int64_t m = 0; m < M; m++) {
+            const float *x = X + m * K;
+            f32x8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
+            for (int64_t p = 0; p < pairs; p++) {
+                const int64_t k = 16 * p;
+                const f32x8 x0 = load8(x + k), x1 = load8(x + k + 8);
+                a0 += load8(w0 + k) * x0;
+                b0 += load8(w0 + k + 8) * x1;
+                a1 += load8(w1 + k) * x0;
+                b1 += load8(w1 + k + 8) * x1;
+                a2 += load8(w2 + k) * x0;
+                b2 += load8(w2 + k + 8) * x1;
+                a3 += load8(w3 + k) * x0;
+                b3 += load8(w3 + k + 8) * x1;
+            }
+            if (odd) {
+                const int64_t k = 16 * pairs;
+                const f32x8 x0 = load8(x + k);
+                a0 += load8(w0 + k) * x0;
+                a1 += load8(w1 + k) * x0;
+                a2 += load8(w2 + k) * x0;
+                a3 += load8(w3 + k) * x0;
+            }
+            float s[4] = {tree_sum(a0 + b0), tree_sum(a1 + b1), tree_sum(a2 + b2), tree_sum(a3 + b3)};
+            float *y = Y + m * ldy + j;
+            for (int i = 0; i < 4; i++) {
+                const float v = bias ? s[i] + bias[j + i] : s[i];
+                y[i] = accumulate ? y[i] + v : v;
+            }
+        }
+    }
+}
+
+// RMSNorm as transformers computes it in float32: w * (x * 1/sqrt(mean(x^2) + eps)).
+void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    f32x8 acc{};
+    for (int64_t i = 0; i < n; i += 8) {
+        const f32x8 v = load8(x + i);
+        acc += v * v;
+    }
+    const float r = 1.0f / std::sqrt(tree_sum(acc) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+// exp(x) for any float (the lowbit attention's method, kept to inputs <= 88): x = n ln2 + r, e^r by its Taylor
+// series to r^7, times 2^n; 0 below -87, +inf handled by the clamp to 88 (e^88 ~ 1.65e38, finite).
+inline float exp_approx(float x) {
+    const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = std::nearbyint(clamped * 1.44269504088896341f);
+    float r = std::fma(n, -0.693145751953125f, clamped);
+    r = std::fma(n, -1.428606765330187e-06f, r);
+    float p = 1.0f / 5040.0f;
+    p = std::fma(p, r, 1.0f / 720.0f);
+    p = std::fma(p, r, 1.0f / 120.0f);
+    p = std::fma(p, r, 1.0f / 24.0f);
+    p = std::fma(p, r, 1.0f / 6.0f);
+    p = std::fma(p, r, 0.5f);
+    p = std::fma(p, r, 1.0f);
+    p = std::fma(p, r, 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof(two_n));
+    return x < -87.0f ? 0.0f : p * two_n;
+}
+
+// x [.., D] at position `pos`: rotate-half rope, x * cos + rotate(x) * sin, rotate(x) = (-x2, x1).
+void rope(float *x, const float *cos, const float *sin, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+// The threads' meeting point between phases. Waiting threads spin briefly, then yield their core
+// (sched_yield) instead of sleeping on a futex as OpenMP's barrier does after its spin: on an idle
+// machine the sibling arrives within microseconds either way, and on a machine with more runnable
+// threads than cores a yielding waiter hands its core to whoever the barrier waits for rather than
+// burning it (measured under load: OpenMP's barrier made 2 threads ~7x slower than 1).
+struct Barrier {
+    std::atomic<int64_t> arrived{0};
+    std::atomic<int64_t> generation{0};
+    int64_t total = 1;
+
+    void wait() {
+        if (total == 1) return;
+        const int64_t gen = generation.load(std::memory_order_acquire);
+        if (arrived.fetch_add(1, std::memory_order_acq_rel) == total - 1) {
+            arrived.store(0, std::memory_order_relaxed);
+            generation.store(gen + 1, std::memory_order_release);
+            return;
+        }
+        for (int spins = 0; generation.load(std::memory_order_acquire) == gen; spins++) {
+            if (spins < 256) {
+#if defined(__x86_64__) || defined(__i386__)
+                __builtin_ia32_pause();
+#endif
+            } else {
+                sched_yield();
+            }
+        }
+    }
+};
+
+struct Range {
+    int64_t lo, hi;
+};
+
+// [0, n) cut into `parts` pieces, each a multiple of `align` long (the last takes the rest).
+inline Range split(int64_t n, int64_t parts, int64_t part, int64_t align) {
+    const int64_t units = n / align;
+    const int64_t lo = units * part / parts * align;
+    const int64_t hi = part + 1 == parts ? n : units * (part + 1) / parts * align;
+    return {lo, hi};
+}
+
+}  // namespace
+
+extern "C" int64_t fastpath_layer_fields() { return LAYER_FIELDS; }
+
+extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, float *k_cache, float *v_cache,
+                                 const int64_t *meta, float *logits, int num_threads) {
+    const int64_t L = model[0], hidden = model[1], H = model[2], KVH = model[3], D = model[4], inter = model[5],
+                  vocab = model[6];
+    const float *embed = (const float *)model[7], *final_norm = (const float *)model[8],
+                *lm_head = (const float *)model[9], *cos_table = (const float *)model[10],
+                *sin_table = (const float *)model[11];
+    const int64_t n = meta[0], num_seqs = meta[1], max_blocks = meta[2], block_size = meta[3], num_logits = meta[4],
+                  tree_width = meta[5], cache_slots = meta[6];
+    const int64_t *token_ids = meta + 7, *positions = token_ids + n, *new_slots = positions + n,
+                  *row_seq = new_slots + n, *row_start = row_seq + n, *row_end = row_start + n,
+                  *row_first = row_end + n, *logits_rows = row_first + n, *tables = logits_rows + num_logits,
+                  *tree = tables + num_seqs * max_blocks;
+    (void)num_seqs;
+    const int64_t qkv_dim = (H + 2 * KVH) * D, group = H / KVH, layer_stride = cache_slots * KVH * D;
+    int64_t max_keys = 1;
+    for (int64_t r = 0; r < n; r++) max_keys = std::max(max_keys, row_end[r]);
+
+    std::vector<float> x(n * hidden), qkv(n * qkv_dim), att(n * H * D), gu(n * 2 * inter), act(n * inter);
+    for (int64_t r = 0; r < n; r++) std::memcpy(&x[r * hidden], embed + token_ids[r] * hidden, hidden * sizeof(float));
+
+    Barrier barrier;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+#pragma omp single
+        barrier.total = T;  // (the single's own barrier publishes it)
+        std::vector<float> h(n * hidden), scores(max_keys);
+        std::vector<int64_t> slots(max_keys);
+        for (int64_t l = 0; l < L; l++) {
+            const int64_t *p = model + HEADER + l * LAYER_FIELDS;
+            const float *input_norm = (const float *)p[0], *qkv_w = (const float *)p[1], *qkv_b = (const float *)p[2],
+                        *qk_norm = (const float *)p[3], *o_w = (const float *)p[4], *o_b = (const float *)p[5],
+                        *post_norm = (const float *)p[6], *gu_w = (const float *)p[7], *gu_b = (const float *)p[8],
+                        *down_w = (const float *)p[9], *down_b = (const float *)p[10];
+            const int64_t window = p[11];
+            float *layer_k = k_cache + l * layer_stride, *layer_v = v_cache + l * layer_stride;
+
+            // q/k/v of every row (each thread norms every row itself: cheaper than a barrier)
+            for (int64_t r = 0; r < n; r++) rms_norm(&x[r * hidden], input_norm, hidden, eps, &h[r * hidden]);
+            Range part = split(qkv_dim, T, t, 4);
+            gemv(h.data(), n, hidden, qkv_w, qkv_b, part.lo, part.hi, qkv.data(), qkv_dim, false);
+            barrier.wait();
+            // qk norm, rope, and the new keys and values into the cache: one task per (row, q or k head)
+            const int64_t rope_heads = H + KVH;
+            Range tasks = split(n * rope_heads, T, t, 1);
+            for (int64_t task = tasks.lo; task < tasks.hi; task++) {
+                const int64_t r = task / rope_heads, head = task % rope_heads;
+                float *v = &qkv[r * qkv_dim + head * D];
+                if (qk_norm) rms_norm(v, qk_norm + head * D, D, eps, v);
+                rope(v, cos_table + positions[r] * D, sin_table + positions[r] * D, D);
+                if (head >= H) {
+                    const int64_t g = head - H;
+                    std::memcpy(layer_k + (new_slots[r] * KVH + g) * D, v, D * sizeof(float));
+                    std::memcpy(layer_v + (new_slots[r] * KVH + g) * D, &qkv[r * qkv_dim + (H + KVH + g) * D],
+                                D * sizeof(float));
+                }
+            }
+            barrier.wait();
+            // attention: one task per (row, kv head), its query heads together, keys in key order
+            tasks = split(n * KVH, T, t, 1);
+            for (int64_t task = tasks.lo; task < tasks.hi; task++) {
+                const int64_t r = task / KVH, g = task % KVH, b = row_seq[r], start = row_start[r];
+                const int64_t *table = tables + b * max_blocks;
+                const int64_t own = r - row_first[r];  // this row's index among its sequence's new tokens
+                const int64_t q_pos = positions[r];
+                int64_t count = 0;
+                for (int64_t j = 0; j < row_end[r]; j++) {
+                    if (j >= start) {
+                        const int64_t i = j - start;
+                        if (tree_width ? !tree[r * tree_width + i] : i > own) continue;
+                    }
+                    if (window) {
+                        const int64_t k_pos = j < start ? j : positions[row_first[r] + j - start];
+                        if (q_pos - k_pos >= window) continue;
+                    }
+                    slots[count++] = table[j / block_size] * block_size + j % block_size;
+                }
+                for (int64_t hh = 0; hh < group; hh++) {
+                    const int64_t head = g * group + hh;
+                    const float *q = &qkv[r * qkv_dim + head * D];
+                    float best = -std::numeric_limits<float>::infinity();
+                    for (int64_t j = 0; j < count; j++) {
+                        const float *key = layer_k + (slots[j] * KVH + g) * D;
+                        f32x8 acc{};
+                        for (int64_t i = 0; i < D; i += 8) acc += load8(q + i) * load8(key + i);
+                        const float s = tree_sum(acc) * scale;
+                        scores[j] = s;
+                        best = s > best ? s : best;
+                    }
+                    float total = 0.0f;
+                    for (int64_t j = 0; j < count; j++) {
+                        scores[j] = exp_approx(scores[j] - best);
+                        total += scores[j];
+                    }
+                    float *o = &att[r * H * D + head * D];
+                    for (int64_t i = 0; i < D; i += 8) {
+                        f32x8 acc{};
+                        for (int64_t j = 0; j < count; j++) {
+                            const f32x8 pj = f32x8{} + scores[j];
+                            acc += pj * load8(layer_v + (slots[j] * KVH + g) * D + i);
+                        }
+                        store8(o + i, acc / (f32x8{} + total));
+                    }
+                }
+            }
+            barrier.wait();
+            part = split(hidden, T, t, 4);
+            gemv(att.data(), n, H * D, o_w, o_b, part.lo, part.hi, x.data(), hidden, true);
+            barrier.wait();
+            for (int64_t r = 0; r < n; r++) rms_norm(&x[r * hidden], post_norm, hidden, eps, &h[r * hidden]);
+            part = split(inter, T, t, 4);  // gate rows j and up rows inter + j together: silu(gate) * up here
+            gemv(h.data(), n, hidden, gu_w, gu_b, part.lo, part.hi, gu.data(), 2 * inter, false);
+            gemv(h.data(), n, hidden, gu_w + inter * hidden, gu_b ? gu_b + inter : nullptr, part.lo, part.hi,
+                 gu.data() + inter, 2 * inter, false);
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t j = part.lo; j < part.hi; j++) {
+                    const float g = gu[r * 2 * inter + j];
+                    act[r * inter + j] = g / (1.0f + exp_approx(-g)) * gu[r * 2 * inter + inter + j];
+                }
+            barrier.wait();
+            part = split(hidden, T, t, 4);
+            gemv(act.data(), n, inter, down_w, down_b, part.lo, part.hi, x.data(), hidden, true);
+            barrier.wait();
+        }
+        for (int64_t i = 0; i < num_logits; i++)
+            rms_norm(&x[logits_rows[i] * hidden], final_norm, hidden, eps, &h[i * hidden]);
+        const Range part = split(vocab, T, t, 4);
+        gemv(h.data(), num_logits, hidden, lm_head, nullptr, part.lo, part.hi, logits, vocab, false);
+    }
+}

@@ -1,0 +1,119 @@
+"""The float32 CPU fast path: a whole forward of a few rows in one call of fastpath.cpp.
+
+Why: a decode step of the default model (30 layers, 135M parameters) is ~540 MB of weights streamed once;
+at the machine's ~17-25 GB/s that is 22-31 ms. Torch's eager forward adds ~900 operator calls per step (a few
+microseconds of Python and dispatch each) on top of oneDNN's one-row matmuls. fastpath.cpp runs the layers,
+the attention over the paged cache (reading each row's keys through its block table, no gather copies),
+the KV writes and the lm head in one ctypes call, its threads splitting each matmul's outputs.
+
+Used by `NativeEngine.forward` for a batch of at most `MAX_ROWS` new tokens (decode steps, verify chains and
+trees, a batch of sessions' rounds), without one-sequence groups; longer forwards (prefill) keep the torch
+path. Each row's numbers do not depend on the other rows or on the thread count (fastpath.cpp says how), so
+a verify forward gives bit for bit what one-token steps would: speculative decoding equals plain decoding.
+Float rounding differs from the torch path's in the last bits, as oneDNN's differs from MKL's.
+
+Eligible: float32 on the CPU, plain float weights (no low-bit layers: those keep their batch-invariant
+kernels), SiLU MLP, every matrix's outer size a multiple of 4 and inner size a multiple of 8. Built once
+per machine with the system g++ like the low-bit kernels (specmesh/models/lowbit/kernel.py), cached under
+$SPECMESH_HOME/kernels; without a compiler, or with SPECMESH_FASTPATH=0, the torch path serves everything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("fastpath.cpp")
+ENV_FASTPATH = "SPECMESH_FASTPATH"  # "0": the torch path only
+MAX_ROWS = 32  # forwards of more new tokens take the torch path (prefill: oneDNN's blocked matmul wins there)
+LAYER_FIELDS = 12  # fastpath.cpp's LAYER_FIELDS
+HEADER = ("n", "num_seqs", "max_blocks", "block_size", "num_logits", "tree_width", "cache_slots")
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_FASTPATH, "1") != "0"
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled fast path, or None (the torch path) when it cannot be built; warns once."""
+    from specmesh.models.lowbit.kernel import build
+    from specmesh.models.resolve import specmesh_home
+
+    compiler = os.environ.get("CXX", "g++")
+    try:
+        if shutil.which(compiler) is None:
+            raise RuntimeError(f"no C++ compiler {compiler!r} on PATH")
+        lib = ctypes.CDLL(str(build(compiler, specmesh_home() / "kernels", sources=[SOURCE], name="fastpath")))
+    except (OSError, RuntimeError) as exc:
+        warnings.warn(f"float32 fast path unavailable, using the torch forward: {exc}", RuntimeWarning, stacklevel=2)
+        return None
+    lib.fastpath_forward.argtypes = [_P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _P, _INT]
+    lib.fastpath_forward.restype = None
+    lib.fastpath_layer_fields.restype = _I64
+    assert lib.fastpath_layer_fields() == LAYER_FIELDS
+    return lib
+
+
+def eligible(config, dtype: torch.dtype, device: torch.device, kernel: str, has_quantized: bool) -> bool:
+    """Whether a model of this config, dtype, device and linear kernel can run on the fast path."""
+    c = config
+    if not enabled() or dtype != torch.float32 or device.type != "cpu" or has_quantized:
+        return False
+    if kernel not in ("plain", "onednn"):  # int8-dynamic drafts keep their own kernel
+        return False
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    if any(size % 4 for size in (qkv, c.hidden_size, c.intermediate_size, c.vocab_size)):
+        return False
+    if any(size % 8 for size in (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size, c.head_dim)):
+        return False
+    if c.num_heads % c.num_kv_heads:
+        return False
+    return library() is not None
+
+
+class FastForward:
+    """One model's fast path: the pointer table of its weights, built once (it holds the tensors)."""
+
+    def __init__(self, model):
+        c = model.config
+        lib = library()
+        assert lib is not None
+        self.lib: ctypes.CDLL = lib
+        self.vocab_size = c.vocab_size
+        self.eps = float(c.rms_norm_eps)
+        self.scale = float(model.scale)
+        self._keep: list[torch.Tensor] = []
+        fields = [c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                  c.vocab_size, self._ptr(model.embed), self._ptr(model.final_norm),
+                  self._ptr(model.lm_head.weight), self._ptr(model.cos), self._ptr(model.sin)]
+        for layer in model.layers:
+            fields += [self._ptr(layer.input_norm), self._ptr(layer.qkv.weight), self._ptr(layer.qkv.bias),
+                       self._ptr(layer.qk_norm), self._ptr(layer.o.weight), self._ptr(layer.o.bias),
+                       self._ptr(layer.post_norm), self._ptr(layer.gate_up.weight), self._ptr(layer.gate_up.bias),
+                       self._ptr(layer.down.weight), self._ptr(layer.down.bias), layer.sliding_window or 0]
+        self.table = torch.tensor(fields, dtype=torch.long)
+
+    def _ptr(self, tensor: torch.Tensor | None) -> int:
+        if tensor is None:
+            return 0
+        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def __call__(self, cache, meta: list[int], num_logits: int) -> torch.Tensor:
+        """meta: fastpath.cpp's per-call layout -> float32 logits [num_logits, vocab]."""
+        meta_t = torch.tensor(meta, dtype=torch.long)
+        logits = torch.empty(num_logits, self.vocab_size, dtype=torch.float32)
+        assert cache.k.is_contiguous() and cache.v.is_contiguous() and cache.k.dtype == torch.float32
+        self.lib.fastpath_forward(self.table.data_ptr(), self.eps, self.scale, cache.k.data_ptr(), cache.v.data_ptr(),
+                                  meta_t.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        return logits

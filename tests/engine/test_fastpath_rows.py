@@ -1,0 +1,102 @@
+"""The float32 fast path (specmesh/models/fastpath.py): the same numbers as the torch forward up to float
+rounding, on every layout the engine serves; each row's numbers independent of the rest of the call and of
+the thread count, bit for bit; the models it must not serve keep the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import random_ids, with_sliding_window
+
+from specmesh.models import fastpath
+from specmesh.models.engine import SeqInput
+from specmesh.models.load import load_engine
+
+pytestmark = pytest.mark.skipif(fastpath.library() is None, reason="no C++ compiler: the torch path serves all")
+
+
+def _scenario(engine, use_fast: bool) -> list[torch.Tensor]:
+    """Prefill, decode steps, a verify chain, a tree, a ragged batch and a one-sequence group; every
+    forward's logits (the prefill's through the torch path, the rest through the fast path when on)."""
+    saved = fastpath.MAX_ROWS
+    fastpath.MAX_ROWS = saved if use_fast else 0
+    try:
+        out = []
+        vocab = engine.vocab_size
+        a, b = engine.new_sequence(), engine.new_sequence()
+        out += engine.forward([SeqInput(a, random_ids(vocab, 40, seed=1), [39]), SeqInput(b, random_ids(vocab, 23, seed=2), [22])])
+        for token in random_ids(vocab, 3, seed=3):  # decode steps
+            out += engine.forward([SeqInput(a, [token], [0])])
+        out += engine.forward([SeqInput(a, random_ids(vocab, 5, seed=4), list(range(5)))])  # a verify chain
+        engine.truncate(a, 43)
+        out += engine.forward([SeqInput(a, random_ids(vocab, 5, seed=5), list(range(5)), [-1, 0, 0, 1, -1])])  # a tree
+        engine.truncate(a, 43)
+        # a ragged batch: a chain, a decode step and a tree side by side
+        c = engine.fork(b)
+        out += engine.forward([SeqInput(a, random_ids(vocab, 4, seed=6), [0, 3]), SeqInput(b, [7], [0]),
+                               SeqInput(c, random_ids(vocab, 3, seed=7), [0, 1, 2], [-1, 0, 0])])
+        # two forks of one sequence as one attention row (the one-sequence layout)
+        d, e = engine.fork(a), engine.fork(a)
+        out += engine.forward([SeqInput(d, random_ids(vocab, 3, seed=8), [0, 1, 2], group=a),
+                               SeqInput(e, random_ids(vocab, 2, seed=9), [0, 1], group=a)])
+        for seq in (a, b, c, d, e):
+            engine.free(seq)
+        assert engine.num_free_blocks == engine.cache.blocks.num_blocks
+        return out
+    finally:
+        fastpath.MAX_ROWS = saved
+
+
+@pytest.mark.parametrize("family", ["llama", "smollm2", "llama3", "qwen2", "qwen3", "mistral-window"])
+def test_fast_path_matches_the_torch_forward(family, tiny_model_dir, tmp_path):
+    if family == "mistral-window":
+        path = with_sliding_window(tiny_model_dir("mistral", init_std=0.2), tmp_path / "window", 6)
+    else:
+        path = tiny_model_dir(family, init_std=0.2)
+    engine = load_engine(path, dtype="float32", block_size=4)
+    assert engine.model.fast is not None
+    fast, torch_path = _scenario(engine, True), _scenario(engine, False)
+    assert len(fast) == len(torch_path)
+    for got, expected in zip(fast, torch_path):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_each_row_is_bit_identical_to_the_row_alone(tiny_model_dir):
+    """A verify chain of k + 1 tokens == k + 1 one-token steps; a sequence in a batch == alone; two threads
+    == one thread: the last bit, logits and KV alike (so speculative decoding equals plain decoding)."""
+    engine = load_engine(tiny_model_dir("smollm2", init_std=0.2), dtype="float32", block_size=4)
+    vocab = engine.vocab_size
+    a, b = engine.new_sequence(), engine.new_sequence()
+    engine.forward([SeqInput(a, random_ids(vocab, 30, seed=11), []), SeqInput(b, random_ids(vocab, 9, seed=12), [])])
+    chain = random_ids(vocab, 6, seed=13)
+    together = engine.forward([SeqInput(a, chain, list(range(6)))])[0]
+    keys_together = engine.cache.k[:, engine.cache.slot_tensor(a)].clone()
+    engine.truncate(a, 30)
+    steps = torch.cat([engine.forward([SeqInput(a, [t], [0])])[0] for t in chain])
+    assert torch.equal(together, steps)
+    assert torch.equal(keys_together, engine.cache.k[:, engine.cache.slot_tensor(a)])
+    engine.truncate(a, 30)
+    alone = engine.forward([SeqInput(b, [5, 6], [0, 1])])[0]
+    engine.truncate(b, 9)
+    batched = engine.forward([SeqInput(a, chain[:3], [2]), SeqInput(b, [5, 6], [0, 1])])[1]
+    assert torch.equal(alone, batched)
+    engine.truncate(a, 30)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(engine.forward([SeqInput(a, chain, list(range(6)))])[0])
+            engine.truncate(a, 30)
+        assert torch.equal(results[0], results[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_models_the_fast_path_does_not_serve_keep_the_torch_forward(tiny_model_dir, monkeypatch):
+    path = tiny_model_dir("llama")
+    assert load_engine(path, dtype="float64").model.fast is None
+    assert load_engine(path, dtype="bfloat16").model.fast is None
+    assert load_engine(path, dtype="float32", quantize="q8_0").model.fast is None  # low-bit: batch-invariant kernels
+    monkeypatch.setenv(fastpath.ENV_FASTPATH, "0")
+    assert load_engine(path, dtype="float32").model.fast is None

@@ -1,0 +1,72 @@
+"""Verify.Generate takes Run's path: its rounds go through the cross-session batcher (several Generate
+streams share forwards), and it streams exactly what OpenSession + Run stream, greedy and seeded sampling,
+and what the in-process plain loop makes. A float32 target, so the engine's fast path serves the rounds."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from servicekit.background import BackgroundServices
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.speculative import generate
+from specmesh.decoding.verifier import TargetVerifier
+from specmesh.models.load import load_engine
+from specmesh.proto.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from target_service.options import VerifyOptions
+from target_service.server import create_server as create_verify
+
+PROMPTS = [[5, 17, 33, 5, 17, 33, 5, 17], [100, 7, 250, 31, 9, 60, 12, 200, 4, 4, 99, 1, 3], [42, 43, 44]]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_dir):
+    model = str(tiny_model_dir("smollm2", init_std=0.2))
+    with BackgroundServices() as services:
+        handle = services.start(create_verify(VerifyOptions(model=model, dtype="float32", port=0, batch_window_ms=50.0)))
+        yield model, handle, f"127.0.0.1:{handle.port}"
+
+
+def _sampling(**kwargs) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, **kwargs)
+
+
+def _generate(stub, prompt, sampling) -> list[int]:
+    responses = list(stub.Generate(verify_pb2.VerifyGenerateRequest(prompt_token_ids=prompt, sampling=sampling), timeout=60))
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    return [t for r in responses for t in r.token_ids]
+
+
+def _open_and_run(stub, prompt, sampling) -> list[int]:
+    opened = stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=prompt, sampling=sampling))
+    rounds = list(stub.Run(verify_pb2.RunRequest(session_id=opened.session_id), timeout=60))
+    stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id))
+    return [opened.first_token_id] + [t for r in rounds for t in r.result.accepted_token_ids]
+
+
+def test_concurrent_generate_streams_share_forwards_and_match_run(service):
+    model, handle, address = service
+    engine = handle.servicer.engine
+    assert engine.model.fast is not None
+    plain = [generate(TargetVerifier(load_engine(model, dtype="float32")), None, p,
+                      SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)).token_ids for p in PROMPTS]
+    free_before = engine.num_free_blocks
+    with grpc.insecure_channel(address) as ch:
+        stub = verify_pb2_grpc.VerifyServiceStub(ch)
+        forwards_before = engine.stats.num_forwards
+        sequences_before = engine.stats.num_sequences_forwarded
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            streamed = list(pool.map(lambda p: _generate(stub, p, _sampling(temperature=0.0)), PROMPTS))
+        forwards = engine.stats.num_forwards - forwards_before
+        sequences = engine.stats.num_sequences_forwarded - sequences_before
+        assert streamed == plain
+        assert sequences == len(PROMPTS) * NEW_TOKENS  # one prefill and NEW_TOKENS - 1 rounds per stream
+        assert forwards < sequences  # the streams' rounds rode in shared forwards
+        for prompt in PROMPTS[:2]:
+            assert _generate(stub, prompt, _sampling(temperature=0.0)) == _open_and_run(stub, prompt, _sampling(temperature=0.0))
+            seeded = _sampling(temperature=1.0, seed=7)
+            assert _generate(stub, prompt, seeded) == _open_and_run(stub, prompt, seeded)
+    assert engine.num_free_blocks == free_before
