@@ -149,9 +149,14 @@ async def wait_back(launcher: LauncherProcess, coordinator: str, victim: str, ol
 async def killer(launcher: LauncherProcess, coordinator: str, tally: Tally, rng: random.Random, every_s: float,
                  end_s: float, start_s: float) -> None:
     """Every `every_s` SIGKILL (70%) or SIGTERM one random model process, then wait until the launcher
-    restarted it and the coordinator re-admitted it (one process down at a time)."""
+    restarted it and the coordinator re-admitted it (one process down at a time: the next kill waits
+    for every replica healthy, however long the last one takes)."""
     while True:
         await asyncio.sleep(every_s * rng.uniform(0.7, 1.3))
+        while not await all_healthy(coordinator):  # a kill not back in BACK_TIMEOUT_S: still one down at a time
+            if time.monotonic() >= end_s:
+                return
+            await asyncio.sleep(0.2)
         if time.monotonic() >= end_s:
             return
         launcher.poll_lines()
