@@ -8,8 +8,10 @@ supplies the verifier and drafter it steps, as failover wrappers over the gRPC a
   replica dies mid-request (UNAVAILABLE, the session lost, ...), the session is re-opened on another
   from the prompt and every token emitted so far: the new replica's first token is the round's final
   token (the round's draft is dropped, as if all of it were rejected), so the stream goes on with
-  no token repeated or lost. The new session gets the tokens left of max_new_tokens and a seed
-  derived from the request's (a fresh stream: re-reading the first one would correlate positions).
+  no token repeated or lost. The new session gets the tokens left of max_new_tokens and, with the
+  standard rule, a seed derived from the request's (a fresh stream: re-reading the first one would
+  correlate positions); with the coupled rule the request's own seed, whose noise is a function of
+  the position only, so the new replica goes on with exactly the tokens the first would have sampled.
   No replica left: `NoHealthyReplica`, answered UNAVAILABLE.
 - `FailoverDrafter` drafts on a Draft replica; if it fails, the request goes on with prompt-lookup
   n-gram drafts made here, from the whole context (exact: a deterministic draft). Both say so in
@@ -194,9 +196,10 @@ class FailoverVerifier:
         assert self._params is not None
         failed = handle.replica
         self.pool.fail(failed)
-        params = dataclasses.replace(
-            self._params, max_new_tokens=self._params.max_new_tokens - len(handle.emitted),
-            seed=((self._params.seed or 0) + (len(self.failovers.events) + 1) * FAILOVER_SEED_STRIDE) % 2**63)
+        seed = self._params.seed if self._params.is_coupled else (  # coupled: stateless noise, the same seed
+            ((self._params.seed or 0) + (len(self.failovers.events) + 1) * FAILOVER_SEED_STRIDE) % 2**63)
+        params = dataclasses.replace(self._params, max_new_tokens=self._params.max_new_tokens - len(handle.emitted),
+                                     seed=seed)
         replica, remote, session_id, first = await self._open_somewhere([*self._prompt, *handle.emitted], params)
         self.failovers.add(f"verify {failed.id} -> {replica.id}")
         handle.replica, handle.remote, handle.session_id = replica, remote, session_id

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specmesh.decoding.sampling import SamplingParams, make_generator, to_dense, to_sparse
+from specmesh.decoding.sampling import AcceptanceRule, SamplingParams, resolve_seed, to_dense, to_sparse
 from specmesh.decoding.state import FinishReason
 from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.types import SparseProbs
@@ -39,33 +39,42 @@ FINISH_TO_PB = {
     FinishReason.CONTEXT: common_pb2.FINISH_REASON_CONTEXT,
 }
 FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+RULE_TO_PB = {
+    None: common_pb2.ACCEPTANCE_RULE_UNSPECIFIED,
+    AcceptanceRule.STANDARD: common_pb2.ACCEPTANCE_RULE_STANDARD,
+    AcceptanceRule.COUPLED: common_pb2.ACCEPTANCE_RULE_COUPLED,
+}
+RULE_FROM_PB = {v: k for k, v in RULE_TO_PB.items()}
 
 
 # sampling params
 def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int,
                      default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> SamplingParams:
-    """The request's SamplingParams with a resolved seed (the server picks one when none is set):
-    the one validation of sampling params on the wire (NaN, inf and out-of-range values are
-    ValueError, see `SamplingParams.validate`)."""
-    seed = pb.seed if pb.HasField("seed") else make_generator(None)[1]
+    """The request's SamplingParams with a resolved seed (the server picks one when none is set) and
+    acceptance rule (unspecified: the default, COUPLED): the one validation of sampling params on the
+    wire (NaN, inf and out-of-range values are ValueError, see `SamplingParams.validate`)."""
+    if pb.acceptance_rule not in RULE_FROM_PB:
+        raise ValueError(f"unknown acceptance_rule {pb.acceptance_rule}")
     top_p = float(pb.top_p)
     params = SamplingParams(
         temperature=float(pb.temperature),
         top_k=int(pb.top_k),
         top_p=1.0 if top_p == 0 else top_p,
-        seed=int(seed),
+        seed=int(pb.seed) if pb.HasField("seed") else None,
         max_new_tokens=int(pb.max_new_tokens) or default_max_new_tokens,
         stop=list(pb.stop),
         ignore_eos=bool(pb.ignore_eos),
+        acceptance_rule=RULE_FROM_PB[pb.acceptance_rule],
     )
     params.validate(vocab_size)
-    return params
+    return resolve_seed(params)
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         seed=params.seed, stop=list(params.stop), max_new_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos,
+        acceptance_rule=RULE_TO_PB[params.rule],
     )
 
 
@@ -159,8 +168,9 @@ def distributions_from_pb(pb: common_pb2.DraftDistributions, k: int, vocab_size:
 
 def check_draft_has_q(num_draft_tokens: int, has_q: bool, deterministic_draft: bool, params: SamplingParams) -> None:
     """A sampled session's draft must come with the q it was drawn from, unless the request says the
-    drafter is deterministic (q one-hot): the one rule of Verify, Step and the Stage service."""
-    if num_draft_tokens and not has_q and not deterministic_draft and not params.is_greedy:
+    drafter is deterministic (q one-hot) or the session's rule reads no q (coupled): the one rule of
+    Verify, Step and the Stage service."""
+    if num_draft_tokens and not has_q and not deterministic_draft and params.needs_q:
         raise ValueError("a sampled session needs the draft's distributions q, or deterministic_draft = true "
                          "when the drafter is deterministic (q one-hot)")
 

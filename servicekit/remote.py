@@ -190,7 +190,7 @@ class RemoteVerifier:
 @dataclass(frozen=True)
 class RemoteDraftSession:
     session_id: str
-    needs_q: bool  # sampling: the verifier needs the draft distributions
+    needs_q: bool  # standard sampling: the verifier needs the draft distributions (`SamplingParams.needs_q`)
     rounds: list[int] = field(default_factory=lambda: [0])  # Propose calls answered (mutable cell)
 
 
@@ -216,7 +216,7 @@ class RemoteDrafter:
         response = await self.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
             prompt_token_ids=list(prompt_ids), sampling=_token_level(params), encoder_input_ids=self.encoder_input_ids),
             timeout=self.timeout_s, metadata=self.metadata)
-        return RemoteDraftSession(response.session_id, needs_q=not params.is_greedy)
+        return RemoteDraftSession(response.session_id, needs_q=params.needs_q)
 
     async def propose(self, session: RemoteDraftSession, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         request = draft_pb2.ProposeRequest(

@@ -38,7 +38,7 @@ class StageInfo:
 @dataclass(frozen=True)
 class RemoteStageSession:
     session_id: str
-    return_q: bool  # sampling: the stage sends its q for the next level
+    return_q: bool  # standard sampling: the stage sends its q for the next level (`SamplingParams.needs_q`)
 
 
 class RemoteStage:
@@ -66,7 +66,7 @@ class RemoteStage:
         await self.info()
         response = await self.stub.OpenSession(stage_pb2.StageOpenSessionRequest(
             prompt_token_ids=list(prompt_ids), sampling=_token_level(params)), timeout=self.timeout_s, metadata=self.metadata)
-        return RemoteStageSession(response.session_id, return_q=not params.is_greedy)
+        return RemoteStageSession(response.session_id, return_q=params.needs_q)
 
     async def verify_and_extend(self, session: RemoteStageSession, accepted: Sequence[int], draft: Sequence[int],
                                 q: torch.Tensor | None, num_extend: int) -> StageOutput:

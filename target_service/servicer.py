@@ -381,7 +381,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             if num_prefix + max(tails) > self.engine.max_context:
                 raise ContextLengthError("append_token_ids do not fit in the context window")
             params = child_params or [parent.target.params] * n
-            seeds = [p.seed if child_params else (parent.seed + 1 + i) % 2**63 for i, p in enumerate(params)]
+            seeds = [p.seed if child_params else (parent.seed + 1 + i) % 2**64 for i, p in enumerate(params)]
             async with self.admission(n * num_prefix + sum(tails), num_sessions=n):
                 children = await self.engine_thread.run(self._fork, parent, append, params, seeds, num_prefix,
                                                         one_sequence, child_appends)
@@ -403,6 +403,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         [their pending token, *append] and samples each child's next token. A child's rounds count from
         the fork: everything before its pending token is its prompt."""
         generators = [make_generator(seed, self.engine.device)[0] for seed in seeds]
+        params = [dataclasses.replace(p, seed=seed) for p, seed in zip(params, seeds)]  # each child its own noise (coupled rule)
         targets = self.verifier.fork(parent.target, params, generators, append, num_prefix, one_sequence, child_appends)
         return [self._new_session(target, target.num_tokens - 1, seed, parent.encoder_input_ids)
                 for target, seed in zip(targets, seeds)]

@@ -20,7 +20,10 @@ is given and the stopper's own is inf) gives exactly the lossless pipeline's tok
 
 Randomness: each stage draws from its own generator, seeded with `stage_seed(request seed, i)`;
 in-process the request's seed is read back from the draft generator (seeded with `draft_seed` of it),
-so a seeded run gives the same tokens in-process and over the wire.
+so a seeded run gives the same tokens in-process and over the wire. With the coupled rule
+(`specmesh.decoding.coupled`) every level samples each position with the request's own noise instead
+(a stage's params keep the request's seed), so the levels agree as often as their distributions allow,
+and no q goes up.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from specmesh.cascade.policy import AdaptiveStopper
 from specmesh.cascade.stage_model import StageOutput
 from specmesh.decoding.async_driver import AsyncDrafter
 from specmesh.decoding.proposal import Drafter, DraftProposal
-from specmesh.decoding.sampling import SamplingParams, make_generator
+from specmesh.decoding.sampling import SamplingParams, make_generator, resolve_seed
 from specmesh.decoding.state import draft_seed
 
 
@@ -204,7 +207,7 @@ class CascadeDrafter:
             stage_generator, _ = make_generator(stage_seed(seed, i), stage.device)
             state.stages.append(stage.open(state.prompt_ids, params, stage_generator))
         state.book = CascadeBook(self.specs, [stage.max_context for stage in self.stages], len(state.prompt_ids),
-                                 keep_q=not params.is_greedy)
+                                 keep_q=params.needs_q)
         if self.stopper is not None:
             state.stopping = ChunkStopping(self.stopper, len(self.stages), len(state.prompt_ids), self.lam)
 
@@ -232,8 +235,9 @@ class AsyncCascadeDrafter:
         self.last_state: CascadeState | None = None  # the session opened last: its `stage_stats` (the Coordinator builds one per request)
 
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> CascadeState:
-        seed = params.seed if params.seed is not None else make_generator(None)[1]
-        params = dataclasses.replace(params, seed=seed)
+        params = resolve_seed(params)
+        seed = params.seed
+        assert seed is not None  # resolved
         prompt = [int(t) for t in prompt_ids]
         state = CascadeState(None, prompt)
         max_contexts, failed = [], []
@@ -243,7 +247,8 @@ class AsyncCascadeDrafter:
             for i, stage in enumerate(self.stages):
                 try:
                     max_contexts.append(await stage.max_context())
-                    state.stages.append(await stage.open(prompt, dataclasses.replace(params, seed=stage_seed(seed, i))))
+                    own_seed = seed if params.is_coupled else stage_seed(seed, i)  # coupled: the request's noise
+                    state.stages.append(await stage.open(prompt, dataclasses.replace(params, seed=own_seed)))
                 except Exception as exc:
                     if not self.is_stage_failure(i, exc):
                         raise
@@ -253,7 +258,7 @@ class AsyncCascadeDrafter:
         except BaseException:
             await self.close(state)
             raise
-        state.book = CascadeBook(self.specs, max_contexts, len(prompt), keep_q=not params.is_greedy)
+        state.book = CascadeBook(self.specs, max_contexts, len(prompt), keep_q=params.needs_q)
         for i in failed:
             state.book.retire(i)
         if self.stopper is not None:

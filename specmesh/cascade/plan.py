@@ -33,7 +33,11 @@ n-gram base's q = None stops at the first stage. The proposal's length n + m is 
 acceptances at positions <= j - m, before y_j is drawn, and the caps are fixed before the round, so
 the next level's rejection sampling sees each token drawn from the q it is given. Each stage has its
 own generator (`stage_seed`): a stage sharing the target's random stream would correlate the two
-levels' accept decisions. Greedy: q is None at every level (argmax matching needs none).
+levels' accept decisions. Greedy: q is None at every level (argmax matching needs none). Coupled rule
+(`specmesh.decoding.coupled`): every level samples position t with the request's noise of t, on
+purpose: each level's token at t is a pure function of its p_t and that noise, the target's tokens
+are the target-only run's whatever comes from below, and the levels agree as often as their
+distributions allow; q is None at every level (the rule reads none).
 
 Telling the levels what the target confirmed. Every stage is handed the tokens the target emitted
 since its last call (`accepted`); `StageModel` rewinds its sequence to them. The base drafter follows
@@ -151,7 +155,7 @@ class CascadeBook:
     specs: list[StageSpec]
     max_contexts: list[int]  # each stage's context window, tokens
     num_confirmed: int  # prompt + every token the target emitted
-    keep_q: bool  # sampling: q goes up with each proposal; greedy: None
+    keep_q: bool  # standard sampling: q goes up with each proposal; greedy, coupled: None
     stats: list[StageStats] = field(default_factory=list)
     _untold: list[list[int]] = field(default_factory=list)
     _caps: list[int] = field(default_factory=list)

@@ -7,9 +7,13 @@ sampler does, the batch is ragged (session b has 1 + k_b rows: its pending token
 nodes), flattened session after session and indexed through cumulative offsets; each request keeps
 its own generator.
 
-The batch splits three ways:
+The batch splits four ways:
 - greedy sessions (chains and trees): ONE argmax over all their rows and ONE `.tolist()`; then, per
   session, the comparison of `verify_greedy` / `verify_tree_greedy` on plain Python ints.
+- coupled sessions (`AcceptanceRule.COUPLED`, chains and trees): ONE `processed_probs_rows` over all
+  their rows, each row's noise from (seed, the position it samples) (`specmesh.decoding.coupled`),
+  ONE coupled sample over all rows and ONE `.tolist()`; then the greedy comparison with those tokens
+  in place of the argmax. No generator is read; q is never needed.
 - sampled chains: ONE `processed_probs_rows` over all their rows, each session's uniforms drawn from
   its own generator exactly as `verify_sampled` draws them (k_b + 1, sessions in order; one-hot
   drafts one draw at a time, judged position by position and the generator left num_accepted + 1
@@ -34,6 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specmesh.decoding.coupled import coupled_sample, noise_rows, row_positions, verify_coupled
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.rejection import (
     draw_positional_uniforms,
@@ -52,12 +57,16 @@ def accept_batch(
     proposals: Sequence[DraftProposal],
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
+    positions: Sequence[int] | None = None,
 ) -> list[VerifyOutcome]:
     """One outcome per session, equal to what the per-session functions give.
 
     logits: per session [1 + k_b, vocab] float32, the target's rows for [pending token, *draft nodes];
     proposals: chains or trees, q None (one-hot) or given; params: per session, greedy or sampled;
-    generators: one per session, on the logits' device (read by sampled sessions only).
+    generators: one per session, on the logits' device (read by standard sampled sessions only);
+    positions: per session, the absolute position its row 0 samples (the sequence's length with
+    the pending token), needed by coupled sessions. A coupled session's noise seed is its
+    `params.seed`, or its generator's seed when the params carry none.
     """
     num_sessions = len(logits)
     if not len(proposals) == len(params) == len(generators) == num_sessions:
@@ -65,13 +74,25 @@ def accept_batch(
             f"one proposal, params and generator per session: got {num_sessions} logits, {len(proposals)} "
             f"proposals, {len(params)} params, {len(generators)} generators"
         )
+    if positions is not None and len(positions) != num_sessions:
+        raise ValueError(f"one position per session: got {len(positions)} for {num_sessions} sessions")
     for b, (rows, proposal) in enumerate(zip(logits, proposals)):
         if rows.dim() != 2 or rows.shape[0] != 1 + proposal.num_tokens:
             raise ValueError(f"session {b}: logits must be [1 + k = {1 + proposal.num_tokens}, vocab], "
                              f"got {tuple(rows.shape)}")
     greedy = [b for b in range(num_sessions) if params[b].is_greedy]
-    sampled = [b for b in range(num_sessions) if not params[b].is_greedy]
+    coupled = [b for b in range(num_sessions) if params[b].is_coupled]
+    sampled = [b for b in range(num_sessions) if not params[b].is_greedy and not params[b].is_coupled]
+    if coupled and positions is None:
+        raise ValueError("coupled sessions need their positions")
     outcomes = dict(zip(greedy, _accept_greedy([logits[b] for b in greedy], [proposals[b] for b in greedy])))
+    if coupled:
+        assert positions is not None  # checked above
+        seeds = [_noise_seed(params[b], generators[b]) for b in coupled]
+        outcomes.update(zip(coupled, _accept_coupled(
+            [logits[b] for b in coupled], [proposals[b] for b in coupled], [params[b] for b in coupled],
+            seeds, [positions[b] for b in coupled],
+        )))
     outcomes.update(zip(sampled, _accept_sampled(
         [logits[b] for b in sampled], [proposals[b] for b in sampled],
         [params[b] for b in sampled], [generators[b] for b in sampled],
@@ -115,6 +136,34 @@ def _accept_greedy(logits: Sequence[torch.Tensor], proposals: Sequence[DraftProp
         else:
             outcomes.append(verify_greedy(proposal.token_ids, session_ids))
     return outcomes
+
+
+def _noise_seed(params: SamplingParams, generator: torch.Generator) -> int:
+    """A coupled session's noise seed: its params' (set by `resolve_seed` at every entry point), or its
+    generator's when the params carry none."""
+    return params.seed if params.seed is not None else generator.initial_seed()
+
+
+def _accept_coupled(
+    logits: Sequence[torch.Tensor],
+    proposals: Sequence[DraftProposal],
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> list[VerifyOutcome]:
+    """The coupled rule (`specmesh.decoding.coupled`) for every session at once: the target's token of
+    every row in one vectorised call and one sync, then the greedy walk per session."""
+    num_rows = [rows.shape[0] for rows in logits]
+    p = processed_probs_rows(torch.cat(list(logits)), *_row_params(params, num_rows))  # [rows, vocab]
+    vocab_size = p.shape[-1]
+    noise = torch.cat([
+        noise_rows(seed, row_positions(position, pr.parents, pr.num_tokens), vocab_size, p.device)
+        for pr, seed, position in zip(proposals, seeds, positions)
+    ])  # [rows, vocab]
+    target_ids = coupled_sample(p, noise).tolist()  # [rows] the target's tokens; the one sync
+    offsets = cumulative_offsets(num_rows)
+    return [verify_coupled(pr.token_ids, target_ids[offsets[b]:offsets[b + 1]], pr.parents)
+            for b, pr in enumerate(proposals)]
 
 
 def _accept_sampled(

@@ -7,13 +7,12 @@
 adapters for the Verify and Draft services (`servicekit.remote`), or in-process objects in tests.
 The round (k, finish rules, stats) is `specmesh.decoding.state`, stepped exactly as the in-process
 driver steps it, so for the same models and seed both yield the same tokens. The request's seed is
-resolved here and sent to both sides; each derives its generator from it (the drafter's through
-`draft_seed`), as in-process.
+resolved here (its acceptance rule pinned first, `resolve_seed`) and sent to both sides; each derives
+its generator from it (the drafter's through `draft_seed`), as in-process.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
@@ -22,7 +21,7 @@ from typing import Any, Protocol
 
 from specmesh.decoding.adaptive import FixedK, KPolicy
 from specmesh.decoding.proposal import DraftProposal
-from specmesh.decoding.sampling import SamplingParams, make_generator
+from specmesh.decoding.sampling import SamplingParams, resolve_seed
 from specmesh.decoding.state import FinishReason, SpeculationState, StepEvent
 from specmesh.decoding.types import VerifyOutcome
 
@@ -109,8 +108,9 @@ async def speculative_stream_async(
     if server_rounds and drafter is not None:
         raise ValueError("server-driven rounds draft on the verifier, or not at all: pass no drafter")
     info = await verifier.info()
-    seed = make_generator(params.seed)[1]
-    params = dataclasses.replace(params, seed=seed)
+    params = resolve_seed(params)  # the rule pinned, then the seed drawn if missing: both sides get both
+    seed = params.seed
+    assert seed is not None  # resolved
     state = SpeculationState(
         params, num_prompt_tokens=len(prompt_ids), max_context=info.max_context, eos_token_ids=info.eos_token_ids,
         k_policy=k_policy, has_drafter=drafter is not None or fused, decode=decode, prompt_ids=prompt_ids, seed=seed,

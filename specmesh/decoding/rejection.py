@@ -43,6 +43,12 @@ per emitted token, in order. `draw_positional_uniforms` / `keep_used_uniforms` l
 exactly num_accepted + 1 draws on, so a seeded speculative run with a deterministic drafter emits
 the very tokens of plain decoding with the same seed, whatever k and whatever is accepted.
 
+This module is the standard rule (`AcceptanceRule.STANDARD`): its generator is read round by round,
+so a seeded request's text depends on how its tokens were grouped into rounds unless every draft is
+one-hot. The coupled rule (`AcceptanceRule.COUPLED`, `specmesh.decoding.coupled`) draws each
+position's token with noise that is a pure function of (seed, position) instead, so the text does not
+depend on the rounds at all; `specmesh.decoding.acceptance` applies whichever a session's params say.
+
 Worked example (q = None, i.e. an n-gram draft; vocab of 3):
     >>> import torch
     >>> p = torch.tensor([[0.0, 1.0, 0.0],    # p_0: the target is sure of token 1

@@ -21,10 +21,23 @@ Tie rules (deterministic, independent of how a sort orders equal values):
 
 Randomness is never global: `sample` takes the request's `torch.Generator` (see `make_generator`),
 which lives on the same device as the probabilities.
+
+Acceptance rules (`SamplingParams.acceptance_rule`; greedy ignores them). Both are exact:
+- STANDARD: rejection sampling with the request's generator (`specmesh.decoding.rejection`). The
+  generator's stream is read round by round, so the same seed gives the same text only when the
+  rounds are the same (k, batch, placement).
+- COUPLED: Gumbel-max sampling with noise that is a pure function of (seed, position)
+  (`specmesh.decoding.coupled`): the same seed gives the same tokens in every mode.
+- None (the default): COUPLED, for every sampled request, seeded or not (a missing seed is drawn and
+  reported, and replaying it must give the same text in any mode). It costs a bf16 self-draft of the
+  default model well under 1% of its acceptance and an n-gram draft none
+  (bench/results/acceptance_rules.md), and its drafts need no q on the wire.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 import secrets
 from collections.abc import Sequence
@@ -39,6 +52,16 @@ TOP_P_DISABLED = 1.0  # top_p == 1: no nucleus truncation
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts 0..2**64-1
 
 
+class AcceptanceRule(enum.Enum):
+    """How a sampled request draws its tokens and judges draft tokens (module docstring)."""
+
+    STANDARD = "standard"  # rejection sampling with the request's generator
+    COUPLED = "coupled"  # Gumbel-max under noise that is a pure function of (seed, position)
+
+
+DEFAULT_ACCEPTANCE_RULE = AcceptanceRule.COUPLED  # a sampled request without a rule of its own (module docstring)
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding parameters; call `validate()` on anything that came from a client."""
@@ -51,10 +74,27 @@ class SamplingParams:
     stop: Sequence[str] = ()  # stop strings; generation ends at the first match
     stop_token_ids: Sequence[int] = ()  # extra stop tokens besides the model's EOS
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    acceptance_rule: AcceptanceRule | None = None  # None: DEFAULT_ACCEPTANCE_RULE (module docstring)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def rule(self) -> AcceptanceRule:
+        """The acceptance rule this request uses: its own, or the default."""
+        return self.acceptance_rule if self.acceptance_rule is not None else DEFAULT_ACCEPTANCE_RULE
+
+    @property
+    def is_coupled(self) -> bool:
+        """Sampled with the coupled rule: tokens are coupled samples (`specmesh.decoding.coupled`)."""
+        return not self.is_greedy and self.rule is AcceptanceRule.COUPLED
+
+    @property
+    def needs_q(self) -> bool:
+        """Whether verifying a sampled draft needs the q it was drawn from (the standard rule's test);
+        greedy and coupled verification read only the draft tokens."""
+        return not self.is_greedy and not self.is_coupled
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field; `vocab_size` also bounds stop_token_ids."""
@@ -80,6 +120,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be integers >= 0{bound}, got {token_id!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.acceptance_rule is not None and not isinstance(self.acceptance_rule, AcceptanceRule):
+            raise ValueError(f"acceptance_rule must be None or an AcceptanceRule, got {self.acceptance_rule!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -88,6 +130,20 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def resolve_seed(params: SamplingParams, seed: int | None = None) -> SamplingParams:
+    """The params a request runs with: its rule made explicit (what every service it reaches is told)
+    and its seed: `seed` if given, else its own, else one drawn from OS entropy (below 2**63).
+
+    >>> p = resolve_seed(SamplingParams(temperature=1.0))
+    >>> p.seed is not None, p.rule.value, p.acceptance_rule.value
+    (True, 'coupled', 'coupled')
+    >>> resolve_seed(SamplingParams(temperature=1.0, acceptance_rule=AcceptanceRule.STANDARD), seed=5).seed
+    5
+    """
+    chosen = seed if seed is not None else params.seed if params.seed is not None else secrets.randbits(63)
+    return dataclasses.replace(params, acceptance_rule=params.rule, seed=chosen)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> tuple[torch.Generator, int]:

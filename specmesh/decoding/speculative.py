@@ -11,9 +11,11 @@ autoregressive decoding is this loop with `drafter=None`. A proposal marked `unv
 adaptive cascade's early stop, opt-in) is emitted without a verify forward; the target takes it as
 context in its next one.
 
-Randomness: the target and the drafter each get a generator seeded from the request's seed
-(`draft_seed` derives the drafter's), the same split the distributed services use, so a seeded run
-is reproducible in-process and over the wire.
+Randomness: the request's seed is resolved first (`resolve_seed`: drawn when missing, the acceptance
+rule pinned); the target and the drafter each get a generator seeded from it (`draft_seed` derives
+the drafter's), the same split the distributed services use, so a seeded run is reproducible
+in-process and over the wire. With the coupled rule neither reads its generator: every token is a
+pure function of (seed, position), whatever this loop's rounds (`specmesh.decoding.coupled`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 from specmesh.decoding.adaptive import KPolicy
 from specmesh.decoding.proposal import Drafter, DraftProposal
-from specmesh.decoding.sampling import SamplingParams, make_generator
+from specmesh.decoding.sampling import SamplingParams, make_generator, resolve_seed
 from specmesh.decoding.state import FinishReason, SpeculationState, StepEvent, draft_seed
 from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.verifier import TargetVerifier
@@ -65,6 +67,7 @@ def speculative_stream(
     `plain_stretches`: the state's plain stretches (`SpeculationState.plain_rounds`), as a remote
     driver with `plain_runs` makes them (the same rounds in-process, for comparisons)."""
     engine = verifier.engine
+    params = resolve_seed(params)
     target_generator, seed = make_generator(params.seed, engine.device)
     state = SpeculationState(
         params, num_prompt_tokens=len(prompt_ids), max_context=engine.max_context,

@@ -195,7 +195,8 @@ class TargetVerifier:
             self._round_costs.observe(num_fed, (time.perf_counter() - start) * 1e3)
         logits = [rows if s.constraint is None else s.constraint.constrain(rows, pr)
                   for s, pr, rows in zip(sessions, proposals, logits)]
-        outcomes = accept_batch(logits, proposals, [s.params for s in sessions], [s.generator for s in sessions])
+        outcomes = accept_batch(logits, proposals, [s.params for s in sessions], [s.generator for s in sessions],
+                                [s.num_tokens for s in sessions])  # row 0 samples position num_tokens (coupled rule)
         for session, proposal, outcome, rows in zip(sessions, proposals, outcomes, logits):
             self._advance(session, proposal, outcome)
             if session.constraint is not None:

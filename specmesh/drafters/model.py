@@ -16,6 +16,12 @@ Worked example (k = 3, context of 10 tokens, pending = [c9]):
     if it had accepted 3 (all): keep = 2, pending = [x2, b] (x2 was never fed)
 
 `propose_many` drafts for several sessions with one engine forward per draft position.
+
+Sampling. With the standard rule a draft token is drawn from q with the session's generator and q
+goes with the proposal (the verifier's test reads it). With the coupled rule
+(`specmesh.decoding.coupled`) the token at absolute position t (the context length before drafting,
+plus its index in the draft) is the coupled sample of q under the noise of (seed, t), the noise the
+target samples that position with; the verifier reads no q, so the proposal carries none.
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from specmesh.decoding.coupled import sample_at
 from specmesh.decoding.proposal import DraftProposal, normalize_q
 from specmesh.decoding.sampling import SamplingParams, processed_probs, sample
+from specmesh.decoding.state import draft_seed
 from specmesh.models.engine import Engine, SeqInput
 
 
@@ -106,7 +114,7 @@ class ModelDrafter:
                 inputs.append(SeqInput(state.seq_id, list(feed), [len(feed) - 1]))
             logits = self.engine.forward(inputs)
             for i, row in zip(active, logits):
-                token, q = self._draw(row, params[i], generators[i])
+                token, q = self._draw(row, params[i], generators[i], states[i].num_tokens + position)
                 drafts[i].append(token)
                 if q is not None:
                     qs[i].append(q)
@@ -133,11 +141,16 @@ class ModelDrafter:
             state.pending.extend(tokens)
         state.num_tokens += len(tokens)
 
-    def _draw(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
-        """logits [1, vocab] -> (token, stored q [vocab], or None when greedy: q is then one-hot)."""
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+              position: int) -> tuple[int, torch.Tensor | None]:
+        """logits [1, vocab] at absolute `position` -> (token, stored q [vocab], or None when greedy, q
+        then one-hot, or coupled, q then unread)."""
         if params.is_greedy:
             return int(logits[0].argmax()), None
         q = processed_probs(logits, params)  # [1, vocab]
+        if params.is_coupled:  # the request's seed (the generator's is draft_seed of it)
+            seed = params.seed if params.seed is not None else draft_seed(generator.initial_seed())
+            return int(sample_at(q, seed, [position])[0]), None
         if self.q_transform is None:
             return int(sample(q, generator)[0]), q[0]
         stored = self.q_transform(q)

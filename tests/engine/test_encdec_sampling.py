@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specmesh.decoding.sampling import SamplingParams, make_generator, processed_probs
+from specmesh.decoding.sampling import AcceptanceRule, SamplingParams, make_generator, processed_probs
 from specmesh.decoding.speculative import draft_seed
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
@@ -23,7 +23,8 @@ from specmesh.models.load import load_engine
 from specmesh.models.tiny_encdec import make_tiny_encdec, perturbed_copy
 
 ENCODER_IDS = [5, 17, 33, 80, 120, 7, 2]
-PARAMS = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=8, ignore_eos=True)
+PARAMS = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=8, ignore_eos=True,
+                        acceptance_rule=AcceptanceRule.STANDARD)  # q and the residual (coupled: test_encdec_services)
 NUM_TRIALS = 1_200  # one model call per sequence (HF backend): ~6 calls a trial
 K = 2
 

@@ -8,7 +8,8 @@ path with the engine's `keep_tree_path`).
     trial opens a session (the prefill samples t1), then verifies trees until t2 and t3 exist; the
     joint of (t1, t2, t3) over 4,000 seeded trials is compared, by a chi-square test, with
     p(t1) p(t2 | t1) p(t3 | t1 t2) computed from the model. The same test must reject a drafter that
-    under-reports q, which makes the verifier accept every draft token: so it has power.
+    under-reports q, which makes the verifier accept every draft token: so it has power. This is the
+    standard rule (the coupled rule reads no q; its trees: tests/engine/test_coupled_decoding.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from scipy.stats import chisquare
 
 from specmesh.decoding.proposal import DraftProposal
-from specmesh.decoding.sampling import SamplingParams, make_generator, processed_probs
+from specmesh.decoding.sampling import AcceptanceRule, SamplingParams, make_generator, processed_probs
 from specmesh.decoding.types import FinalTokenKind
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.models.engine import NO_PARENT, SeqInput
@@ -32,7 +33,7 @@ GREEDY_DEPTH = 3  # tree levels; the target's path through them is fully in the 
 NUM_GREEDY_ROUNDS = 8
 
 PROMPT = [11, 40, 7, 93]
-TARGET = SamplingParams(temperature=1.0, top_k=3, ignore_eos=True)
+TARGET = SamplingParams(temperature=1.0, top_k=3, ignore_eos=True, acceptance_rule=AcceptanceRule.STANDARD)  # q is read
 DRAFT = SamplingParams(temperature=0.5, top_k=3)  # same support as TARGET, sharper: far from p
 BRANCHING = (2, 2)  # children per node at depth 0, 1: 2 + 4 draft nodes
 NUM_TRIALS = 4_000

@@ -113,6 +113,7 @@ def test_sampled_over_the_wire_equals_in_process_with_the_same_seed(cluster, mod
         params = SamplingParams(seed=seed, **SAMPLED)
         tokens, _ = _run(_wire(cluster, ENCODER_INPUTS[1], prompt, params, 3))
         assert tokens == _reference(models, ENCODER_INPUTS[1], params, 3).token_ids
+        assert tokens == _reference(models, ENCODER_INPUTS[1], params, 0).token_ids  # coupled: target-only's
 
 
 def test_verify_generate_takes_the_encoder_input(cluster, models):

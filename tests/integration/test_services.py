@@ -20,7 +20,7 @@ from servicekit.convert import distributions_to_pb
 from servicekit.remote import outcome_from_pb
 from specmesh.decoding.adaptive import FixedK, ForwardCost
 from specmesh.decoding.proposal import DraftProposal
-from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.sampling import AcceptanceRule, SamplingParams
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
@@ -92,12 +92,12 @@ def test_greedy_over_the_wire_equals_in_process(cluster, models, drafter_kind, k
 
 @pytest.mark.parametrize("q_dtype,sparse", [("float32", False), ("float32", True), ("float16", False), ("bfloat16", True)])
 def test_sampled_over_the_wire_equals_in_process_with_the_same_seed(cluster, models, q_dtype, sparse):
-    """q travels as the values the drafter sampled from. fp32 is the drafter's own q (compared with the
-    plain ModelDrafter); rounded dtypes are compared with a ModelDrafter whose q transform rounds the
-    same way (`specmesh.drafters.wire_q`)."""
+    """q travels as the values the drafter sampled from (the standard rule: the coupled one sends none).
+    fp32 is the drafter's own q (compared with the plain ModelDrafter); rounded dtypes are compared with
+    a ModelDrafter whose q transform rounds the same way (`specmesh.drafters.wire_q`)."""
     for seed in (1, 2):
         prompt = PROMPTS[1]
-        params = SamplingParams(seed=seed, **SAMPLED)
+        params = SamplingParams(seed=seed, acceptance_rule=AcceptanceRule.STANDARD, **SAMPLED)
         wire = _wire(cluster, "draft_other", prompt, params, 4, q_dtype=q_dtype, sparse_q=sparse)
         if q_dtype == "float32":
             ref = _reference(models, "other", prompt, params, 4)

@@ -1,8 +1,9 @@
 """The lossless cascade over the wire: Draft service -> Stage service(s) -> Verify service, on loopback
 ports picked at run time, driven by the async driver through `AsyncCascadeDrafter` and
 `RemoteStage`. Greedy: identical to target-only decoding. Sampled: the same tokens as the same
-cascade in-process for the same seed (the stage's q crosses the wire bit for bit), and a stage that
-goes away mid-request is skipped without changing the output."""
+cascade in-process for the same seed (the stage's q crosses the wire bit for bit), with the coupled
+rule the target-only tokens of the seed, and a stage that goes away mid-request is skipped without
+changing the output."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from specmesh.cascade.plan import StageSpec
 from specmesh.cascade.stage_model import StageModel
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.async_driver import speculative_stream_async
-from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.sampling import AcceptanceRule, SamplingParams
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
@@ -103,9 +104,21 @@ def test_greedy_cascade_over_the_wire_equals_target(cluster):
 @pytest.mark.parametrize("seed", [3, 11])
 def test_sampled_cascade_over_the_wire_equals_in_process(cluster, seed):
     folders, ports, _ = cluster
-    params = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=30, ignore_eos=True, seed=seed)
+    params = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=30, ignore_eos=True, seed=seed,
+                            acceptance_rule=AcceptanceRule.STANDARD)  # q goes up each level
     tokens, _, failed = _over_the_wire(ports, params)
     assert tokens == _in_process(folders, params) and not failed
+
+
+def test_a_seeded_cascade_over_the_wire_gives_the_target_only_tokens(cluster):
+    """The coupled rule (the default): every level samples each position with the
+    request's noise, so the cascade's tokens are target-only sampling's with that seed; no q travels."""
+    folders, ports, _ = cluster
+    params = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=30, ignore_eos=True, seed=5)
+    assert params.is_coupled
+    tokens, stats, failed = _over_the_wire(ports, params)
+    assert tokens == generate(TargetVerifier(load_engine(folders["target"], dtype="float64")), None, PROMPT, params).token_ids
+    assert not failed and stats.num_accepted_tokens > 0
 
 
 def test_a_stage_that_is_gone_is_skipped(cluster):

@@ -1,9 +1,10 @@
 """`accept_batch` and `processed_probs_rows` give, bit for bit, what the per-session functions give.
 
 The reference is the per-session acceptance the verifier ran before the batched path: argmax +
-`verify_greedy` / `verify_tree_greedy`, or `processed_probs` + `verify_sampled` / `verify_tree_sampled`.
-Both sides get clones of the same seeded generators; outcomes and the generators' final states
-must be identical.
+`verify_greedy` / `verify_tree_greedy`, or `processed_probs` + `verify_sampled` / `verify_tree_sampled`
+(standard rule), or `processed_probs` + coupled samples at each row's position + `verify_coupled`
+(coupled rule). Both sides get clones of the same seeded generators; outcomes and the generators'
+final states must be identical (a coupled session reads none).
 """
 
 from __future__ import annotations
@@ -12,28 +13,43 @@ import pytest
 import torch
 
 from specmesh.decoding.acceptance import accept_batch, cumulative_offsets, ragged_coordinates
+from specmesh.decoding.coupled import row_positions, sample_at, verify_coupled
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.rejection import verify_greedy, verify_sampled, verify_sampled_batch
-from specmesh.decoding.sampling import SamplingParams, processed_probs, processed_probs_rows
+from specmesh.decoding.sampling import AcceptanceRule, SamplingParams, processed_probs, processed_probs_rows
 from specmesh.decoding.tree import verify_tree_greedy, verify_tree_sampled
 from specmesh.decoding.types import NO_PARENT, PLACEHOLDER_TOKEN_ID
 
 VOCAB_SIZE = 40
+STANDARD, COUPLED = AcceptanceRule.STANDARD, AcceptanceRule.COUPLED
 PARAMS_CHOICES = [
     SamplingParams(temperature=0.0),
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.7, top_k=5),
-    SamplingParams(temperature=1.3, top_p=0.8),
-    SamplingParams(temperature=0.9, top_k=8, top_p=0.6),
-    SamplingParams(temperature=2.0, top_k=VOCAB_SIZE),  # top-k as wide as the vocab: off
-    SamplingParams(temperature=0.5, top_k=1),
+    SamplingParams(temperature=1.0, acceptance_rule=STANDARD),
+    SamplingParams(temperature=0.7, top_k=5, acceptance_rule=STANDARD),
+    SamplingParams(temperature=1.3, top_p=0.8, acceptance_rule=STANDARD),
+    SamplingParams(temperature=0.9, top_k=8, top_p=0.6, acceptance_rule=STANDARD),
+    SamplingParams(temperature=2.0, top_k=VOCAB_SIZE, acceptance_rule=STANDARD),  # top-k as wide as the vocab: off
+    SamplingParams(temperature=0.5, top_k=1, acceptance_rule=STANDARD),
+    SamplingParams(temperature=1.0, seed=7, acceptance_rule=COUPLED),
+    SamplingParams(temperature=0.8, top_k=6, top_p=0.9, seed=2**64 - 1),  # the default rule: coupled
 ]
 
 
-def reference(logits, proposals, params, generators):
+def positions_of(num_sessions: int) -> list[int]:
+    """Where each session's row 0 samples (distinct, so sessions of one seed get different noise)."""
+    return [5 + 3 * b for b in range(num_sessions)]
+
+
+def reference(logits, proposals, params, generators, positions=None):
     """The per-session acceptance of the verifier before `accept_batch`."""
     outcomes = []
-    for rows, proposal, pa, generator in zip(logits, proposals, params, generators):
+    positions = positions or positions_of(len(logits))
+    for rows, proposal, pa, generator, position in zip(logits, proposals, params, generators, positions):
+        if pa.is_coupled:
+            p = processed_probs(rows, pa)
+            target_ids = sample_at(p, pa.seed, row_positions(position, proposal.parents, proposal.num_tokens)).tolist()
+            outcomes.append(verify_coupled(proposal.token_ids, target_ids, proposal.parents))
+            continue
         if pa.is_greedy:
             target_ids = rows.argmax(dim=-1).tolist()
             if proposal.is_tree:
@@ -140,7 +156,7 @@ def test_mixed_batch_equals_per_session_path(seed):
     generators = [torch.Generator().manual_seed(seed * 100 + b) for b in range(batch_size)]
     reference_generators = [clone(g) for g in generators]
     want = reference(logits, proposals, params, reference_generators)
-    assert_same(accept_batch(logits, proposals, params, generators), want)
+    assert_same(accept_batch(logits, proposals, params, generators, positions_of(batch_size)), want)
     for g, r in zip(generators, reference_generators):
         assert torch.equal(g.get_state(), r.get_state())  # the same draws from every request's generator
 
@@ -152,23 +168,24 @@ def test_many_outcomes_are_covered():
         gen = torch.Generator().manual_seed(seed)
         for _ in range(10):
             logits, proposal, params = random_session(gen)
-            outcome = accept_batch([logits], [proposal], [params], [torch.Generator().manual_seed(seed)])[0]
-            kinds.add((params.is_greedy, proposal.is_tree, proposal.q is not None, outcome.final_kind,
-                       0 < outcome.num_accepted < proposal.num_tokens))
-    for greedy, tree in [(True, False), (True, True), (False, False), (False, True)]:
-        for with_q in ([False] if greedy else [False, True]):
-            reached = {(kind, partial) for g, t, w, kind, partial in kinds if (g, t, w) == (greedy, tree, with_q)}
-            assert len(reached) >= 3, (greedy, tree, with_q, reached)
+            outcome = accept_batch([logits], [proposal], [params], [torch.Generator().manual_seed(seed)], [9])[0]
+            kinds.add((params.rule if not params.is_greedy else None, proposal.is_tree, proposal.q is not None,
+                       outcome.final_kind, 0 < outcome.num_accepted < proposal.num_tokens))
+    for rule, tree in [(None, False), (None, True), (STANDARD, False), (STANDARD, True), (COUPLED, False), (COUPLED, True)]:
+        for with_q in ([False] if rule is None else [False, True]):
+            reached = {(kind, partial) for r, t, w, kind, partial in kinds if (r, t, w) == (rule, tree, with_q)}
+            assert len(reached) >= 3, (rule, tree, with_q, reached)
 
 
 def test_all_sessions_greedy_or_all_sampled_or_empty():
     gen = torch.Generator().manual_seed(3)
     logits = [torch.randn(1 + k, VOCAB_SIZE, generator=gen) for k in (0, 2, 4)]
     proposals = [DraftProposal([]), DraftProposal([1, 2]), DraftProposal([3, 4, 5, 6], parents=[-1, -1, 0, 2])]
-    for pa in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=4)):
+    for pa in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=4, acceptance_rule=STANDARD),
+               SamplingParams(temperature=0.8, top_k=4, seed=3)):
         generators = [torch.Generator().manual_seed(i) for i in range(3)]
         want = reference(logits, proposals, [pa] * 3, [clone(g) for g in generators])
-        assert_same(accept_batch(logits, proposals, [pa] * 3, generators), want)
+        assert_same(accept_batch(logits, proposals, [pa] * 3, generators, positions_of(3)), want)
     assert accept_batch([], [], [], []) == []
 
 
@@ -176,10 +193,11 @@ def test_only_plain_decoding_rows():
     # k = 0 everywhere: every sampled session draws exactly one uniform, its final token from p_0
     gen = torch.Generator().manual_seed(5)
     logits = [torch.randn(1, VOCAB_SIZE, generator=gen) for _ in range(4)]
-    params = [PARAMS_CHOICES[i] for i in (1, 2, 3, 0)]
-    generators = [torch.Generator().manual_seed(i) for i in range(4)]
-    want = reference(logits, [DraftProposal([])] * 4, params, [clone(g) for g in generators])
-    assert_same(accept_batch(logits, [DraftProposal([])] * 4, params, generators), want)
+    params = [PARAMS_CHOICES[i] for i in (1, 2, 3, 0, 7, 8)]
+    generators = [torch.Generator().manual_seed(i) for i in range(6)]
+    logits += [torch.randn(1, VOCAB_SIZE, generator=gen) for _ in range(2)]
+    want = reference(logits, [DraftProposal([])] * 6, params, [clone(g) for g in generators])
+    assert_same(accept_batch(logits, [DraftProposal([])] * 6, params, generators, positions_of(6)), want)
 
 
 def test_rejects_mismatched_inputs():

@@ -19,6 +19,38 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _AcceptanceRule:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AcceptanceRuleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AcceptanceRule.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ACCEPTANCE_RULE_UNSPECIFIED: _AcceptanceRule.ValueType  # 0
+    """the default: COUPLED"""
+    ACCEPTANCE_RULE_STANDARD: _AcceptanceRule.ValueType  # 1
+    """rejection sampling (accept x w.p. min(1, p(x)/q(x)), residual, bonus)"""
+    ACCEPTANCE_RULE_COUPLED: _AcceptanceRule.ValueType  # 2
+    """with the session's seeded generator: the same seed gives the same
+    text only for the same rounds (k, batch, placement)
+    Gumbel-max with noise that is a pure function of (seed, position):
+    """
+
+class AcceptanceRule(_AcceptanceRule, metaclass=_AcceptanceRuleEnumTypeWrapper):
+    """How a sampled (temperature > 0) request draws its tokens and judges draft tokens. Both are exact: each
+    emitted token follows the target's processed distribution p.
+    """
+
+ACCEPTANCE_RULE_UNSPECIFIED: AcceptanceRule.ValueType  # 0
+"""the default: COUPLED"""
+ACCEPTANCE_RULE_STANDARD: AcceptanceRule.ValueType  # 1
+"""rejection sampling (accept x w.p. min(1, p(x)/q(x)), residual, bonus)"""
+ACCEPTANCE_RULE_COUPLED: AcceptanceRule.ValueType  # 2
+"""with the session's seeded generator: the same seed gives the same
+text only for the same rounds (k, batch, placement)
+Gumbel-max with noise that is a pure function of (seed, position):
+"""
+Global___AcceptanceRule: _TypeAlias = AcceptanceRule  # noqa: Y015
+
 class _DType:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -111,8 +143,9 @@ class SamplingParams(_message.Message):
     """How target tokens are chosen. temperature == 0 means greedy (top_k / top_p / seed are ignored).
     The draft and verify sides apply the same processing, so p and q are the *processed* distributions.
     Every service validates these the same way, greedy or not: NaN, infinite or out-of-range values are
-    INVALID_ARGUMENT (temperature >= 0, top_p in [0, 1], top_k <= vocab). Seeds: CPU generators read
-    63 bits, so seeds s and s + 2**63 give the same stream; the server's own picks are below 2**63.
+    INVALID_ARGUMENT (temperature >= 0, top_p in [0, 1], top_k <= vocab). Seeds: the coupled rule reads
+    all 64 bits; the standard rule's CPU generators read fewer, so seeds s and s + 2**63 give it the same
+    stream. The server's own picks are below 2**63.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -124,6 +157,7 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    ACCEPTANCE_RULE_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 = greedy; > 0 scales logits by 1/temperature"""
     top_k: _builtins.int
@@ -131,14 +165,16 @@ class SamplingParams(_message.Message):
     top_p: _builtins.float
     """nucleus mass in (0, 1]; 0 or 1 = no limit"""
     seed: _builtins.int
-    """seeds the per-request generator; same seed -> same output;"""
+    """the request's randomness; same seed -> same output (with the coupled"""
     max_new_tokens: _builtins.int
     """tokens to generate at most (excluding the prompt); 0 = server default"""
     ignore_eos: _builtins.bool
     """keep going past the end-of-sequence token"""
+    acceptance_rule: Global___AcceptanceRule.ValueType
+    """how sampled tokens are drawn and drafts judged (greedy ignores it);"""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """absent: the server picks a fresh seed (reported back)
+        """rule, in every mode); absent: the server picks a fresh seed (reported back)
         stop strings; generation ends after the first one appears
         """
 
@@ -152,10 +188,11 @@ class SamplingParams(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         max_new_tokens: _builtins.int = ...,
         ignore_eos: _builtins.bool = ...,
+        acceptance_rule: Global___AcceptanceRule.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "acceptance_rule", b"acceptance_rule", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015

@@ -450,7 +450,7 @@ class ForkRequest(_message.Message):
     is owned by the same principal and is independent afterwards (closing either leaves the other).
     A child inherits the parent's sampling params unless child_sampling names its own, and its rounds
     count from the fork: finish rules (max_new_tokens, ...) apply to what the child generates, and
-    its round_index starts at 0. Without child_sampling, child i is seeded with parent seed + 1 + i.
+    its round_index starts at 0. Without child_sampling, child i is seeded with parent seed + 1 + i (mod 2**64).
     With append_token_ids, one forward feeds [pending, *append_token_ids] to every child and samples
     each child's next token, reported in next_token_ids (the child's new pending token); without,
     next_token_ids repeats the parent's pending token. With num_prefix_tokens = n, the children keep

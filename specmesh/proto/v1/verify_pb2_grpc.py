@@ -33,8 +33,9 @@ class VerifyServiceStub:
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
-    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
-    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
+    Sampling: with the same seed, a session's tokens equal Generate's whatever its drafts under the coupled
+    acceptance rule (the default); under the standard rule, when its drafts are deterministic
+    (deterministic_draft, or greedy), and with a sampled drafter's q they follow the same distribution.
     """
 
     def __init__(self, channel):
@@ -98,8 +99,9 @@ class VerifyServiceServicer:
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
-    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
-    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
+    Sampling: with the same seed, a session's tokens equal Generate's whatever its drafts under the coupled
+    acceptance rule (the default); under the standard rule, when its drafts are deterministic
+    (deterministic_draft, or greedy), and with a sampled drafter's q they follow the same distribution.
     """
 
     def OpenSession(self, request, context):
@@ -239,8 +241,9 @@ class VerifyService:
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
-    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
-    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
+    Sampling: with the same seed, a session's tokens equal Generate's whatever its drafts under the coupled
+    acceptance rule (the default); under the standard rule, when its drafts are deterministic
+    (deterministic_draft, or greedy), and with a sampled drafter's q they follow the same distribution.
     """
 
     @staticmethod

@@ -34,8 +34,9 @@ class VerifyServiceStub:
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
-    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
-    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
+    Sampling: with the same seed, a session's tokens equal Generate's whatever its drafts under the coupled
+    acceptance rule (the default); under the standard rule, when its drafts are deterministic
+    (deterministic_draft, or greedy), and with a sampled drafter's q they follow the same distribution.
     """
 
     @_typing.overload
@@ -82,8 +83,9 @@ class VerifyServiceAsyncStub(VerifyServiceStub):
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
-    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
-    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
+    Sampling: with the same seed, a session's tokens equal Generate's whatever its drafts under the coupled
+    acceptance rule (the default); under the standard rule, when its drafts are deterministic
+    (deterministic_draft, or greedy), and with a sampled drafter's q they follow the same distribution.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -126,8 +128,9 @@ class VerifyServiceServicer(metaclass=_abc_1.ABCMeta):
     refuses further rounds with FAILED_PRECONDITION. A round that fails for lack of KV memory answers
     RESOURCE_EXHAUSTED and leaves the session as it was (retry later); other client mistakes answer
     INVALID_ARGUMENT and leave it as it was too.
-    Sampling: with the same seed, a session's tokens equal Generate's when its drafts are deterministic
-    (deterministic_draft, or greedy); with a sampled drafter's q they follow the same distribution.
+    Sampling: with the same seed, a session's tokens equal Generate's whatever its drafts under the coupled
+    acceptance rule (the default); under the standard rule, when its drafts are deterministic
+    (deterministic_draft, or greedy), and with a sampled drafter's q they follow the same distribution.
     """
 
     @_abc_1.abstractmethod
