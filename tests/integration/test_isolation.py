@@ -204,7 +204,7 @@ def test_contract_holes_are_closed(services):
             stub = verify_pb2_grpc.VerifyServiceStub(ch)
             info = await stub.GetInfo(verify_pb2.VerifyGetInfoRequest(), timeout=TIMEOUT_S)
             vocab = info.model.vocab_size
-            sampled = common_pb2.SamplingParams(temperature=1.0, seed=3)
+            sampled = common_pb2.SamplingParams(temperature=1.0, seed=3, acceptance_rule=common_pb2.ACCEPTANCE_RULE_STANDARD)
             s = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=PROMPT, sampling=sampled), timeout=TIMEOUT_S)
             assert len(s.session_id) == 32 and int(s.session_id, 16) >= 0  # 128 bits, server-made
 
@@ -225,7 +225,7 @@ def test_contract_holes_are_closed(services):
             assert await code(verify_pb2.VerifyRequest(session_id=s.session_id, draft_token_ids=[4], distributions=dense(1e-6))) == invalid
             assert await code(verify_pb2.VerifyRequest(session_id=s.session_id, draft_token_ids=[4], distributions=dense(4.9e7))) == invalid
             assert await code(verify_pb2.VerifyRequest(session_id=s.session_id, draft_token_ids=[4], distributions=duplicate)) == invalid
-            # a sampled session's draft without q must say it is deterministic
+            # a sampled session's draft without q must say it is deterministic (the standard rule reads q)
             assert await code(verify_pb2.VerifyRequest(session_id=s.session_id, draft_token_ids=[4])) == invalid
             assert await code(verify_pb2.VerifyRequest(session_id="x" * 10_000)) == invalid
             assert await code(verify_pb2.VerifyRequest(session_id=s.session_id, draft_token_ids=[4], deterministic_draft=True)) \
