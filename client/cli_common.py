@@ -102,6 +102,7 @@ def stats_line(result: Generation) -> str:
     tokens_per_s = stats.tokens_per_s or (len(result.token_ids) / result.latency_s if result.latency_s else 0.0)
     parts = [f"{len(result.token_ids)} tokens", f"{tokens_per_s:.1f} tok/s", f"acceptance {stats.acceptance_rate:.0%}",
              f"mean accepted length {stats.mean_accepted_length:.2f}", f"drafter {stats.drafter or 'none'}",
+             *([f"plan {stats.plan}"] if stats.plan else []),
              f"failovers {stats.num_failovers}" + (f" ({', '.join(stats.failovers)})" if stats.failovers else ""),
              f"finish {result.finish_reason or '?'}", f"first token {result.time_to_first_token_s * 1e3:.0f} ms"]
     return "[" + ", ".join(parts) + "]"

@@ -73,6 +73,7 @@ class GenerationStats:
     failovers: list[str] = field(default_factory=list)  # e.g. "draft -> ngram"
     cascade: list[str] = field(default_factory=list)  # per Stage service: "address: accepted/verified, rounds"
     lossy: bool = False  # an opt-in lossy mode produced some of the tokens
+    plan: str = ""  # how the request ran (`specmesh.decoding.plan.Plan` value; docs/architecture.md)
 
     @classmethod
     def from_pb(cls, pb: common_pb2.SpeculationStats) -> GenerationStats:
@@ -80,7 +81,7 @@ class GenerationStats:
                    list(pb.accepted_per_position), pb.mean_accepted_length or 1.0, pb.tokens_per_s, pb.draft_ms,
                    pb.verify_ms, pb.num_target_forwards, pb.seed, pb.drafter, pb.num_failovers, list(pb.failovers),
                    [f"{s.stage}: accepted {s.num_accepted_tokens}/{s.num_draft_tokens} in {s.num_rounds} rounds"
-                    + (" (retired)" if s.retired else "") for s in pb.cascade_stages], pb.lossy)
+                    + (" (retired)" if s.retired else "") for s in pb.cascade_stages], pb.lossy, pb.plan)
 
     @property
     def acceptance_rate(self) -> float:

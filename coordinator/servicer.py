@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 
-from coordinator.cascade import NO_CASCADE, CascadeStages, NamedCascade, adaptive_stats, cascade_stats_pb
+from coordinator.cascade import NO_CASCADE, CascadeStages, NamedCascade, adaptive_stats, cascade_stats_pb, request_stages
 from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier
 from coordinator.mode_choice import ModeChoice, choose_mode, request_question
 from coordinator.options import DRAFTERS, CoordinatorOptions
@@ -31,6 +31,7 @@ from servicekit.process import process_info_pb
 from servicekit.streams import read_ahead
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.async_driver import AsyncDrafter, TargetInfo, speculative_stream_async
+from specmesh.decoding.plan import Plan, choose_plan
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.verifier import validate_prompt
@@ -161,35 +162,34 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                      params: SamplingParams, calls: Calls, failovers: Failovers,
                      encoder_ids: Sequence[int] = ()) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The speculative, fused and autoregressive modes: one stream, on the main branch (-1)."""
-        placed_on_verify = (mode == "speculative" and drafter_kind == "ngram" and self.ngram_on_verify
-                            and request.cascade in ("", NO_CASCADE))
-        if placed_on_verify:
-            mode = "fused"
+        named_cascade = request.cascade not in ("", NO_CASCADE)
+        # an n-gram request on a coordinator that places n-gram drafting on the Verify service runs fused there
+        on_verify = mode == "speculative" and drafter_kind == "ngram" and self.ngram_on_verify and not named_cascade
+        stages_here = mode == "speculative" and not encoder_ids and not on_verify  # "" = the configured stages
+        cascade = bool(request_stages(request.cascade, self.cascade.configured)) if stages_here else named_cascade
+        plan = choose_plan(mode, drafter=drafter_kind != "none", cascade=cascade, server_rounds=self.options.server_rounds,
+                           drafter_on_verify=on_verify)
         verifier = FailoverVerifier(self.verify, self.info, calls, failovers, sparse_q=self.options.sparse_q,
                                     encoder_input_ids=encoder_ids)
         drafter = None
-        if mode == "speculative" and drafter_kind != "none":
+        if plan.drafts_here and drafter_kind != "none":
             drafter = FailoverDrafter(self.draft, calls, failovers, use_service=drafter_kind == "service" and bool(self.draft),
                                       q_dtype=self.q_dtype, sparse_q=self.options.sparse_q, encoder_input_ids=encoder_ids)
         outer: AsyncDrafter | None = drafter
-        if mode == "speculative" and not encoder_ids:  # the base drafter under the request's Stage services, if any
+        if stages_here:  # the drafter under the request's Stage services (CASCADE); refuses a lambda without stages
             outer = await self.cascade.wrap(drafter, request.cascade, calls, failovers, self.info.vocab_size,
                                             sparse_q=self.options.sparse_q,
                                             cascade_lambda=request.cascade_lambda if request.HasField("cascade_lambda") else None)
-        elif request.cascade and request.cascade != NO_CASCADE:
-            raise ValueError(f"a cascade runs in speculative mode, not {mode}")
         k_policy = FixedK(request.num_draft_tokens) if request.num_draft_tokens and mode != "autoregressive" else None
-        stream = speculative_stream_async(verifier, outer, prompt_ids, params, k_policy=k_policy, decode=self._decode,
-                                          fused=mode == "fused",
-                                          server_rounds=self.options.server_rounds and (mode == "fused" or outer is None),
-                                          plain_runs=self.options.server_rounds and drafter is not None and outer is drafter)
+        stream = speculative_stream_async(verifier, outer, prompt_ids, params, plan=plan, k_policy=k_policy,
+                                          decode=self._decode)
         try:
             async for event in stream:
                 response = coordinator_pb2.GenerateResponse(text=event.text, token_ids=event.token_ids, branch_id=-1)
                 if event.finish_reason is not None:
                     response.finish_reason = FINISH_TO_PB[event.finish_reason]
-                    response.stats.CopyFrom(self._final_stats(event.stats, mode, drafter, failovers))
-                    if placed_on_verify:
+                    response.stats.CopyFrom(self._final_stats(event.stats, plan, drafter, failovers))
+                    if on_verify:
                         response.stats.drafter = NGRAM_ON_VERIFY
                     if isinstance(outer, NamedCascade):
                         response.stats.cascade_stages.extend(cascade_stats_pb(outer))
@@ -209,7 +209,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                       k_policy=lambda: FixedK(request.num_draft_tokens) if request.num_draft_tokens else None)
 
         def final_stats(stats: SpecStats) -> common_pb2.SpeculationStats:
-            pb = self._final_stats(stats, "skeleton", None, failovers)
+            pb = self._final_stats(stats, Plan.SKELETON, None, failovers)
             pb.drafter = links.drafter_names
             return pb
 
@@ -231,14 +231,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def _final_stats(self, stats: SpecStats | None, mode: str, drafter: FailoverDrafter | None,
+    def _final_stats(self, stats: SpecStats | None, plan: Plan, drafter: FailoverDrafter | None,
                      failovers: Failovers) -> common_pb2.SpeculationStats:
         if stats is None:
             return common_pb2.SpeculationStats()
         self.totals.merge(stats)
         self.num_generated_tokens += stats.num_generated_tokens
         pb = stats_to_pb(stats)
-        pb.drafter = drafter.current if drafter is not None else ("fused" if mode == "fused" else "")
+        pb.drafter = drafter.current if drafter is not None else ("fused" if plan.fused else "")
+        pb.plan = plan.value
         pb.num_failovers = len(failovers.events)
         pb.failovers.extend(failovers.events)
         return pb

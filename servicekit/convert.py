@@ -190,7 +190,7 @@ def stats_to_pb(stats: SpecStats) -> common_pb2.SpeculationStats:
         accepted_per_position=stats.accepted_per_position, mean_accepted_length=stats.mean_accepted_length,
         draft_ms=stats.draft_ms, verify_ms=stats.verify_ms, tokens_per_s=stats.tokens_per_s,
         num_generated_tokens=stats.num_generated_tokens, seed=stats.seed, num_target_forwards=stats.num_target_forwards,
-        num_withheld_drafts=stats.num_withheld_drafts,
+        num_withheld_drafts=stats.num_withheld_drafts, plan=stats.plan,
     )
 
 

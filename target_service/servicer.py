@@ -338,16 +338,15 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.check_kv_quota(1 + k)  # before the drafter's state moves
         start = time.perf_counter()
         proposal = DraftProposal(token_ids=[])
-        if session.round.asks_drafter(k):
-            propose_args = (session.fused.state, session.round.take_draft_input(), k, session.target.params,
-                            session.fused.generator)
+        # the session's adaptive k may withhold a draft unlikely to pay; a caller's fixed k is kept
+        step = session.round.draft_step(k, fixed_k=bool(requested_k))
+        if step.asks:
+            propose_args = (session.fused.state, step.new_tokens, k, session.target.params, session.fused.generator)
             if getattr(self.fused_drafter, "uses_engine", True):
-                proposal = await self.engine_thread.run(self.fused_drafter.propose, *propose_args)
+                proposal = step.take(await self.engine_thread.run(self.fused_drafter.propose, *propose_args))
             else:  # an n-gram lookup takes microseconds: a hop to the engine thread and back costs more
-                proposal = self.fused_drafter.propose(*propose_args)
+                proposal = step.take(self.fused_drafter.propose(*propose_args))
         draft_ms = (time.perf_counter() - start) * 1e3
-        if not requested_k:  # the session's adaptive k may withhold a draft unlikely to pay; a caller's fixed k is kept
-            proposal = session.round.gate(proposal)
         prepared = self._prepare(session, proposal, deterministic=True)  # q travels with the proposal when sampled
         result = await self._apply(session_id, session, *prepared, draft_ms=draft_ms)
         return verify_pb2.StepResponse(result=result, num_draft_tokens=proposal.num_tokens, draft_ms=draft_ms)

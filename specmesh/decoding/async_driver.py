@@ -1,7 +1,11 @@
 """The asyncio driver of the speculation round, over drafters and verifiers that live elsewhere.
 
-    async for event in speculative_stream_async(verifier, drafter, prompt_ids, params):
+    async for event in speculative_stream_async(verifier, drafter, prompt_ids, params, plan=plan):
         ...                                   # the same StepEvents as the in-process loop
+
+`plan` (`specmesh.decoding.plan.Plan`; by default client rounds, drafted or plain) says where the draft comes from and
+who steps the rounds; one small driver per shape below (`_client_rounds`, `_fused_steps`,
+`_server_rounds`), each stepping the one `SpeculationState`.
 
 `verifier` / `drafter` are anything with the `AsyncVerifier` / `AsyncDrafter` methods: gRPC
 adapters for the Verify and Draft services (`servicekit.remote`), or in-process objects in tests.
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from specmesh.decoding.adaptive import FixedK, KPolicy
+from specmesh.decoding.plan import Plan
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, resolve_seed
 from specmesh.decoding.state import FinishReason, SpeculationState, StepEvent
@@ -88,84 +93,114 @@ async def speculative_stream_async(
     prompt_ids: Sequence[int],
     params: SamplingParams,
     *,
+    plan: Plan | None = None,
     k_policy: KPolicy | None = None,
     decode: Callable[[Sequence[int]], str] | None = None,
-    fused: bool = False,
-    server_rounds: bool = False,
-    plain_runs: bool = False,
 ) -> AsyncIterator[StepEvent]:
-    """Speculative decoding with remote parts (plain decoding on the verifier when `drafter` is None).
-    `fused`: the verifier is an `AsyncStepper` that drafts itself; `drafter` must be None.
-    `server_rounds` (no drafter here): the verifier is an `AsyncRunner` that steps the rounds itself
-    and streams them, so no round waits for a round trip to this driver; the state folds them in as
-    they land and stops the stream at its own finish (a stop string). k is then the verifier's
-    policy's, unless `k_policy` is a `FixedK`. `plain_runs` (with a drafter here): the verifier is an
-    `AsyncRunner`, and a round with nothing to verify and the plain stretch it starts
-    (`SpeculationState.plain_rounds_from_here`: rounds where drafting does not pay) are handed to it
-    in one `run` instead of a call per round."""
-    if fused and drafter is not None:
-        raise ValueError("fused mode drafts on the verifier: pass no drafter")
-    if server_rounds and drafter is not None:
-        raise ValueError("server-driven rounds draft on the verifier, or not at all: pass no drafter")
+    """Speculative decoding with remote parts, run as `plan` (`specmesh.decoding.plan`; None:
+    CLIENT_ROUNDS with a drafter, PLAIN_ROUNDS without). The plans that draft here (`Plan.drafts_here`)
+    take the `drafter`; the others take None: the verifier is an `AsyncStepper`
+    (FUSED_STEP), or an `AsyncRunner` that steps the rounds itself and streams them (FUSED_RUN,
+    SERVER_RUN: no round waits for a round trip to this driver; the state folds them in as they land
+    and stops the stream at its own finish, e.g. a stop string; k is then the verifier's policy's
+    unless `k_policy` is a `FixedK`). CLIENT_ROUNDS_PLAIN_RUNS: the verifier is an `AsyncRunner`,
+    and a round with nothing to verify and the plain stretch it starts
+    (`SpeculationState.plain_rounds_from_here`) are handed to it in one `run`. The final event's
+    stats name the plan."""
+    plan = plan or (Plan.CLIENT_ROUNDS if drafter is not None else Plan.PLAIN_ROUNDS)
+    _check_plan(plan, drafter)
     info = await verifier.info()
     params = resolve_seed(params)  # the rule pinned, then the seed drawn if missing: both sides get both
     seed = params.seed
     assert seed is not None  # resolved
     state = SpeculationState(
         params, num_prompt_tokens=len(prompt_ids), max_context=info.max_context, eos_token_ids=info.eos_token_ids,
-        k_policy=k_policy, has_drafter=drafter is not None or fused, decode=decode, prompt_ids=prompt_ids, seed=seed,
-        vocab_size=info.vocab_size, plain_stretches=plain_runs and drafter is not None,
+        k_policy=k_policy, has_drafter=drafter is not None or plan.fused, decode=decode, prompt_ids=prompt_ids, seed=seed,
+        vocab_size=info.vocab_size, plain_stretches=plan is Plan.CLIENT_ROUNDS_PLAIN_RUNS,
     )
+    state.stats.plan = plan.value
     start = time.perf_counter()
     session, first_token_id = await verifier.open(prompt_ids, params)
     draft_state = None
     try:
         yield state.start(first_token_id, (time.perf_counter() - start) * 1e3)
-        if drafter is not None and not state.finished:
-            draft_state = await drafter.open(prompt_ids, params)
-        if server_rounds and not state.finished:
+        if state.finished:
+            return
+        if plan.server_steps:
             fixed_k = k_policy.k if isinstance(k_policy, FixedK) else 0
-            async with aclosing(_server_rounds(verifier, session, state, draft=fused, k=fixed_k)) as rounds:
-                async for event in rounds:  # (closed at once when this stream is: the call is cancelled)
-                    yield event
-            if not state.finished:
-                raise RuntimeError("the verifier's rounds ended before the session finished")
-        while not state.finished:
-            k = state.next_k()
-            if fused and k:
-                start = time.perf_counter()
-                num_drafted, outcome, their_finish, draft_ms = await verifier.step(session, k)  # type: ignore[attr-defined]
-                verify_ms = (time.perf_counter() - start) * 1e3 - draft_ms
-                event = state.record(num_drafted, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms, outcome.cost)
-                _check_agreement(state, their_finish)
+            rounds = _server_rounds(verifier, session, state, draft=plan.fused, k=fixed_k)
+        elif plan is Plan.FUSED_STEP:
+            rounds = _fused_steps(verifier, session, state)
+        else:
+            if drafter is not None:
+                draft_state = await drafter.open(prompt_ids, params)
+            rounds = _client_rounds(verifier, session, state, drafter, draft_state,
+                                    plain_runs=plan is Plan.CLIENT_ROUNDS_PLAIN_RUNS)
+        async with aclosing(rounds):
+            async for event in rounds:  # (closed at once when this stream is: the call is cancelled)
                 yield event
-                continue
-            proposal, draft_ms = DraftProposal(token_ids=[]), 0.0
-            if drafter is not None and state.asks_drafter(k):
-                start = time.perf_counter()
-                proposal = state.gate(await drafter.propose(draft_state, state.take_draft_input(), k))
-                draft_ms = (time.perf_counter() - start) * 1e3
-            if proposal.unverified:  # lossy, opt-in: an adaptive cascade stopped below the target
-                await verifier.commit(session, proposal.token_ids)  # the next Verify carries them (forced_token_ids)
-                yield state.record_unverified(proposal.token_ids, draft_ms)
-                continue
-            plain = state.plain_rounds_from_here() if plain_runs and not proposal.num_tokens else 1
-            if plain > 1:  # this plain round and the stretch it starts: one Run
-                async with aclosing(_plain_rounds(verifier, session, state, plain, draft_ms)) as rounds:
-                    async for event in rounds:
-                        yield event
-                continue
-            start = time.perf_counter()
-            outcome, their_finish = await verifier.verify(session, proposal)
-            verify_ms = (time.perf_counter() - start) * 1e3
-            event = state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms,
-                                 outcome.cost)
-            _check_agreement(state, their_finish)
-            yield event
+        if not state.finished:
+            raise RuntimeError("the verifier's rounds ended before the session finished")
     finally:
         await verifier.close(session)
         if drafter is not None and draft_state is not None:
             await drafter.close(draft_state)
+
+
+def _check_plan(plan: Plan, drafter: AsyncDrafter | None) -> None:
+    if plan is Plan.SKELETON:
+        raise ValueError("a Skeleton-of-Thought plan runs its streams through specmesh.skeleton, each with its own plan")
+    if plan.drafts_here and drafter is None:
+        raise ValueError(f"plan {plan.value} drafts here: pass a drafter")
+    if not plan.drafts_here and drafter is not None:
+        raise ValueError(f"plan {plan.value} drafts on the verifier, or not at all: pass no drafter")
+
+
+async def _client_rounds(verifier: Any, session: Any, state: SpeculationState, drafter: AsyncDrafter | None,
+                         draft_state: Any, *, plain_runs: bool) -> AsyncGenerator[StepEvent, None]:
+    """Rounds stepped here: the draft sub-step with the drafter beside this driver (or none), then a
+    Verify call; with `plain_runs`, a plain stretch goes to the verifier's Run in one call."""
+    while not state.finished:
+        k = state.next_k()
+        proposal, draft_ms, step = DraftProposal(token_ids=[]), 0.0, state.draft_step(k)
+        if step.asks:
+            assert drafter is not None  # has_drafter
+            start = time.perf_counter()
+            proposal = step.take(await drafter.propose(draft_state, step.new_tokens, k))
+            draft_ms = (time.perf_counter() - start) * 1e3
+        if proposal.unverified:  # lossy, opt-in: an adaptive cascade stopped below the target
+            await verifier.commit(session, proposal.token_ids)  # the next Verify carries them (forced_token_ids)
+            yield state.record_unverified(proposal.token_ids, draft_ms)
+            continue
+        plain = state.plain_rounds_from_here() if plain_runs and not proposal.num_tokens else 1
+        if plain > 1:  # this plain round and the stretch it starts: one Run
+            async with aclosing(_plain_rounds(verifier, session, state, plain, draft_ms)) as rounds:
+                async for event in rounds:
+                    yield event
+            continue
+        start = time.perf_counter()
+        outcome, their_finish = await verifier.verify(session, proposal)
+        verify_ms = (time.perf_counter() - start) * 1e3
+        event = state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms,
+                             outcome.cost)
+        _check_agreement(state, their_finish)
+        yield event
+
+
+async def _fused_steps(verifier: Any, session: Any, state: SpeculationState) -> AsyncGenerator[StepEvent, None]:
+    """Rounds stepped here, each one Step: the verifier drafts k (its hosted drafter) and verifies;
+    a round at k = 0 is a plain Verify."""
+    while not state.finished:
+        k = state.next_k()
+        start = time.perf_counter()
+        if k:
+            num_drafted, outcome, their_finish, draft_ms = await verifier.step(session, k)
+        else:
+            (outcome, their_finish), num_drafted, draft_ms = await verifier.verify(session, DraftProposal([])), 0, 0.0
+        verify_ms = (time.perf_counter() - start) * 1e3 - draft_ms
+        event = state.record(num_drafted, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms, outcome.cost)
+        _check_agreement(state, their_finish)
+        yield event
 
 
 async def _server_rounds(verifier: Any, session: Any, state: SpeculationState, *, draft: bool, k: int = 0,

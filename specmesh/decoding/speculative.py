@@ -85,10 +85,11 @@ def speculative_stream(
             draft_state = drafter.open(prompt_ids)
         while not state.finished:
             k = state.next_k()
-            proposal, draft_ms = DraftProposal(token_ids=[]), 0.0
-            if drafter is not None and state.asks_drafter(k):
+            proposal, draft_ms, step = DraftProposal(token_ids=[]), 0.0, state.draft_step(k)
+            if step.asks:
+                assert drafter is not None  # has_drafter
                 start = time.perf_counter()
-                proposal = state.gate(drafter.propose(draft_state, state.take_draft_input(), k, params, draft_generator))
+                proposal = step.take(drafter.propose(draft_state, step.new_tokens, k, params, draft_generator))
                 draft_ms = (time.perf_counter() - start) * 1e3
             if proposal.unverified:  # lossy, opt-in: the cascade stopped early; the target catches up next forward
                 verifier.append_unverified(session, proposal.token_ids)

@@ -8,7 +8,8 @@ runs the draft and the verify wherever they live, and hands the outcome back.
     event = state.start(first_token_id)              # the target's prefill produced the first token
     while not state.finished:
         k = state.next_k()                           # policy k, capped by budget and context
-        proposal = drafter.propose(..., state.take_draft_input(), k, ...)
+        step = state.draft_step(k)                   # the draft sub-step: ask the drafter, or not
+        proposal = step.take(drafter.propose(..., step.new_tokens, k, ...)) if step.asks else DraftProposal([])
         outcome = verifier.verify(..., proposal)
         event = state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms)
 
@@ -68,6 +69,32 @@ class StepEvent:
     stats: SpecStats | None = None
     text: str = ""  # new visible text, when the state decodes (stop strings or streaming text)
     unverified: bool = False  # lossy: the tokens were committed without the target's verification
+
+
+class DraftStep:
+    """One round's draft sub-step, as every driver runs it (`SpeculationState.draft_step`):
+
+        step = state.draft_step(k)
+        if step.asks:                                # else the round verifies DraftProposal([])
+            proposal = step.take(drafter.propose(draft_state, step.new_tokens, step.k, ...))
+
+    `new_tokens`: what the sequence grew by since the drafter was last told (taken: the drafter
+    must be told them now); `take` gates the drafter's proposal (`SpeculationState.gate`) unless
+    the round's k was fixed by the caller."""
+
+    __slots__ = ("asks", "k", "new_tokens", "_state", "_gated")
+
+    def __init__(self, state: SpeculationState, k: int, *, gated: bool):
+        self.k = k
+        self.asks = state.asks_drafter(k)
+        self.new_tokens = state.take_draft_input() if self.asks else []
+        self._state, self._gated = state, gated
+
+    def take(self, proposal: DraftProposal) -> DraftProposal:
+        """The proposal this round verifies."""
+        if not self.asks:
+            raise RuntimeError("the drafter was not asked this round: the round verifies no draft")
+        return self._state.gate(proposal) if self._gated else proposal
 
 
 class SpeculationState:
@@ -145,6 +172,12 @@ class SpeculationState:
             return 0
         k = self.k_policy.next_k() if requested is None else requested
         return max(0, min(k, self.max_draft_tokens))
+
+    def draft_step(self, k: int, *, fixed_k: bool = False) -> DraftStep:
+        """The draft sub-step of a round at draft length `k` (`DraftStep`): whether the drafter is
+        asked, what it is told, and the gate its proposal passes (none when `fixed_k`: a caller's
+        k for this round, verified as drafted)."""
+        return DraftStep(self, k, gated=not fixed_k)
 
     def asks_drafter(self, k: int) -> bool:
         """Whether this round calls the drafter: when it drafts (k > 0), when the round before did

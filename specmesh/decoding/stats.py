@@ -26,6 +26,7 @@ class SpecStats:
     wall_ms: float = 0.0  # first forward to last token
     seed: int = 0
     num_withheld_drafts: int = 0  # drafts not verified: their estimated acceptance did not pay (SpeculationState.gate)
+    plan: str = ""  # how the request ran: a `specmesh.decoding.plan.Plan` value ("" in-process)
 
     @property
     def acceptance_rate(self) -> float:

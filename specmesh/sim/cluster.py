@@ -9,7 +9,8 @@ One request, as the Coordinator runs it (coordinator/driver.py over specmesh.dec
   router a draft device (its drafter prefills lazily, in the first Propose's forward);
   Verify.OpenSession: the prompt crosses the link, the prefill runs as engine jobs (chunked), the
   first token goes back;
-  each round: k = min(speculation.k, tokens left - 1) (`SpeculationState.max_draft_tokens`);
+  each round: k from the live drivers' own round state (`SpeculationState` with a fixed k:
+    min(speculation.k, tokens left - 1), `round_state`);
     distributed: the accepted tokens go to the draft device and join its batcher's queue (Propose
       calls of many sessions share forwards, position by position); the draft goes to the target
       and joins the Verify batcher's queue;
@@ -52,6 +53,9 @@ from typing import Any
 
 import simpy
 
+from specmesh.decoding.adaptive import FixedK
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.state import SpeculationState
 from specmesh.routing.registry import make_router
 from specmesh.routing.replica import Replica
 from specmesh.routing.replica_set import ReplicaSet
@@ -76,6 +80,16 @@ def build_cost(config: SimConfig, device: str, role: str) -> CostModel:
     if model is None:
         raise ValueError(f"device {device!r}: a roofline needs models.{role} or a `model:` of its own")
     return RooflineCost(model_dims(model), device_spec(spec["roofline"]))
+
+
+def round_state(num_prompt: int, max_new_tokens: int, k: int) -> SpeculationState:
+    """The round rule a simulated request steps: the live drivers' `SpeculationState` at a fixed k
+    (0: autoregressive), with no EOS and a context that never fills, fed placeholder tokens."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    state = SpeculationState(params, num_prompt_tokens=num_prompt, max_context=num_prompt + max_new_tokens + k + 1,
+                             k_policy=FixedK(k), has_drafter=k > 0)
+    state.start(0)
+    return state
 
 
 class Process:
@@ -326,8 +340,9 @@ class Simulation:
         fused_opened = False
         draft_opened = draft is not None and max_new_tokens > 1  # the driver opens it after the first token
         draft_calls = int(draft_opened)  # calls the Draft service has yet to handle: Draft.OpenSession
-        while generated < max_new_tokens:
-            k = min(k_max, max_new_tokens - generated - 1)
+        rounds = round_state(num_prompt, max_new_tokens, k_max)
+        while not rounds.finished:
+            k = rounds.next_k()
             context = num_prompt + generated
             num_handled = 1  # before the Verify call goes out: its request
             if mode == "distributed" and k > 0:
@@ -358,6 +373,7 @@ class Simulation:
             else:
                 num_accepted = self.acceptance.num_accepted(k, rng, record.num_rounds, trace_offset)
             new_input = num_accepted + 1
+            rounds.record(k, num_accepted, [0] * new_input)
             # the drafter kept its first k - 1 draft tokens; it feeds the target's token (and the last
             # draft token when all k were accepted); without a draft this round, everything new
             draft_feed = (1 if num_accepted < k else 2) if k else draft_feed + new_input

@@ -11,6 +11,7 @@ import pytest
 
 from specmesh.decoding.adaptive import AdaptiveK, FixedK
 from specmesh.decoding.async_driver import TargetInfo, generate_async
+from specmesh.decoding.plan import Plan
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.speculative import generate
@@ -118,7 +119,7 @@ def test_plain_stretches_run_on_the_verifier_with_the_same_rounds(engines, sampl
                     plain_stretches=True)
     runner = InProcessRunner(verifier)
     events = asyncio.run(generate_async(runner, InProcessDrafter(PromptLookupDrafter(1, 3)), PROMPT, params,
-                                        k_policy=AdaptiveK(beta=0.99), plain_runs=True))
+                                        k_policy=AdaptiveK(beta=0.99), plan=Plan.CLIENT_ROUNDS_PLAIN_RUNS))
     assert [t for e in events for t in e.token_ids] == sync.token_ids == plain.token_ids
     assert events[-1].stats.num_target_forwards == sync.stats.num_target_forwards == plain.stats.num_target_forwards
     assert events[-1].stats.num_withheld_drafts == sync.stats.num_withheld_drafts

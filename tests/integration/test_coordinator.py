@@ -106,13 +106,16 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-@pytest.mark.parametrize("mode,drafter,k,placement,drafted_by", [
-    ("speculative", "service", 4, "verify", "draft-service"), ("speculative", "service", 0, "verify", "draft-service"),
-    ("speculative", "ngram", 3, "verify", "ngram@verify"),  # the Verify service hosts the n-gram drafter: drafts there
-    ("speculative", "ngram", 3, "coordinator", "ngram"), ("speculative", "ngram", 0, "coordinator", "ngram"),
-    ("fused", "", 3, "verify", "fused"), ("autoregressive", "", 0, "verify", "")])
+@pytest.mark.parametrize("mode,drafter,k,placement,drafted_by,plan", [
+    ("speculative", "service", 4, "verify", "draft-service", "client_rounds_plain_runs"),
+    ("speculative", "service", 0, "verify", "draft-service", "client_rounds_plain_runs"),
+    # the Verify service hosts the n-gram drafter: drafts there
+    ("speculative", "ngram", 3, "verify", "ngram@verify", "fused_run"),
+    ("speculative", "ngram", 3, "coordinator", "ngram", "client_rounds_plain_runs"),
+    ("speculative", "ngram", 0, "coordinator", "ngram", "client_rounds_plain_runs"),
+    ("fused", "", 3, "verify", "fused", "fused_run"), ("autoregressive", "", 0, "verify", "", "server_run")])
 def test_greedy_through_the_coordinator_equals_target_only(cluster, target, tokenizer, mode, drafter, k, placement,
-                                                           drafted_by):
+                                                           drafted_by, plan):
     tokens, last = _run(_collect(cluster.address_for(placement), _request(PROMPT, mode, drafter, k)))
     assert tokens == _reference(target, tokenizer, PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=40))
     assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
@@ -120,6 +123,7 @@ def test_greedy_through_the_coordinator_equals_target_only(cluster, target, toke
     if mode != "autoregressive":
         assert last.stats.num_draft_tokens > 0
     assert last.stats.drafter == drafted_by
+    assert last.stats.plan == plan  # the plan chosen (specmesh.decoding.plan), named in the final stats
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -155,6 +159,7 @@ def test_rounds_driven_by_the_coordinator_give_the_same_tokens(target, tokenizer
         for mode in ("fused", "autoregressive"):
             tokens, last = _run(_collect(c.address, _request(PROMPT, mode)))
             assert tokens == reference, mode
+            assert last.stats.plan == ("plain_rounds" if mode == "autoregressive" else "fused_step")
             if mode == "autoregressive":
                 assert last.stats.num_target_forwards == len(tokens) and last.stats.num_draft_tokens == 0
             else:

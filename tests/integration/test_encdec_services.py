@@ -16,6 +16,7 @@ from servicekit.background import BackgroundServices
 from servicekit.remote import RemoteDrafter, RemoteVerifier
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.async_driver import generate_async
+from specmesh.decoding.plan import Plan
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
@@ -72,7 +73,8 @@ async def _wire(cluster, encoder_ids, prompt, params, k, fused=False):
     async with grpc.aio.insecure_channel(cluster["verify"]) as verify, grpc.aio.insecure_channel(cluster["draft"]) as draft:
         verifier = RemoteVerifier(verify_pb2_grpc.VerifyServiceStub(verify), encoder_input_ids=encoder_ids)
         drafter = None if fused or not k else RemoteDrafter(draft_pb2_grpc.DraftServiceStub(draft), encoder_input_ids=encoder_ids)
-        events = await generate_async(verifier, drafter, prompt, params, k_policy=FixedK(k) if k else None, fused=fused)
+        events = await generate_async(verifier, drafter, prompt, params, k_policy=FixedK(k) if k else None,
+                                      plan=Plan.FUSED_STEP if fused else None)
     return [t for e in events for t in e.token_ids], events[-1].stats
 
 

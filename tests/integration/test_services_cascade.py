@@ -180,10 +180,11 @@ def test_the_coordinator_runs_the_configured_cascade_exactly_and_reports_each_st
     assert tokens == expected
     assert [s.stage for s in stats.cascade_stages] == [f"127.0.0.1:{ports['stage_low']}", f"127.0.0.1:{ports['stage']}"]
     assert all(s.num_rounds > 0 and s.num_draft_tokens > 0 and not s.retired for s in stats.cascade_stages)
-    assert not stats.lossy and stats.num_draft_tokens > 0
+    assert not stats.lossy and stats.num_draft_tokens > 0 and stats.plan == "cascade"
     tokens, stats = asyncio.run(run(f"127.0.0.1:{ports['stage']}"))  # one of the configured stages only
     assert tokens == expected and len(stats.cascade_stages) == 1
     tokens, stats = asyncio.run(run("none"))
+    assert stats.plan != "cascade"
     assert tokens == expected and not stats.cascade_stages
     for cascade, mode in ((f"127.0.0.1:{ports['verify']}", coordinator_pb2.GENERATION_MODE_SPECULATIVE),
                           ("", coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE)):

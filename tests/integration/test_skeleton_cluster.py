@@ -189,6 +189,7 @@ def test_a_skeleton_answer_streams_forked_branches_each_exact(cluster, tokenizer
     assert summary.num_verify_batches >= longest // 2 and summary.num_batched_rounds >= 2 * summary.num_verify_batches
     assert summary.num_skeleton_tokens == len(plan_ids) and 0 < summary.skeleton_ms < summary.total_ms
     assert answer[0].stats.num_generated_tokens == len(plan_ids) + sum(b.num_tokens for b in summary.branches)
+    assert answer[0].stats.plan == "skeleton"
 
     # forked, not prefilled again: the engine fed fewer tokens in all than the branch prompts hold;
     # and the branches' rounds shared forwards: as rows of a batch, or as regions of one attention row

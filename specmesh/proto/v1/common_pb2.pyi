@@ -333,6 +333,7 @@ class SpeculationStats(_message.Message):
     CASCADE_STAGES_FIELD_NUMBER: _builtins.int
     LOSSY_FIELD_NUMBER: _builtins.int
     NUM_WITHHELD_DRAFTS_FIELD_NUMBER: _builtins.int
+    PLAN_FIELD_NUMBER: _builtins.int
     num_drafts: _builtins.int
     """verify rounds that had at least one draft token"""
     num_draft_tokens: _builtins.int
@@ -361,6 +362,10 @@ class SpeculationStats(_message.Message):
     """false = exactly the target's output; true only for an opt-in lossy mode"""
     num_withheld_drafts: _builtins.int
     """drafts not verified: the drafter's estimate of their acceptance did not pay for it"""
+    plan: _builtins.str
+    """How the request ran (the execution plan): "client_rounds", "client_rounds_plain_runs", "cascade",
+    "fused_step", "fused_run", "server_run" or "skeleton" (docs/architecture.md, "The plan")
+    """
     @_builtins.property
     def accepted_per_position(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[max k] accepted count at draft position i"""
@@ -393,10 +398,11 @@ class SpeculationStats(_message.Message):
         cascade_stages: _abc.Iterable[Global___CascadeStageStats] | None = ...,
         lossy: _builtins.bool = ...,
         num_withheld_drafts: _builtins.int = ...,
+        plan: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_per_position", b"accepted_per_position", "cascade_stages", b"cascade_stages", "draft_ms", b"draft_ms", "drafter", b"drafter", "failovers", b"failovers", "lossy", b"lossy", "mean_accepted_length", b"mean_accepted_length", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_drafts", b"num_drafts", "num_failovers", b"num_failovers", "num_generated_tokens", b"num_generated_tokens", "num_target_forwards", b"num_target_forwards", "num_withheld_drafts", b"num_withheld_drafts", "seed", b"seed", "tokens_per_s", b"tokens_per_s", "verify_ms", b"verify_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_per_position", b"accepted_per_position", "cascade_stages", b"cascade_stages", "draft_ms", b"draft_ms", "drafter", b"drafter", "failovers", b"failovers", "lossy", b"lossy", "mean_accepted_length", b"mean_accepted_length", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_drafts", b"num_drafts", "num_failovers", b"num_failovers", "num_generated_tokens", b"num_generated_tokens", "num_target_forwards", b"num_target_forwards", "num_withheld_drafts", b"num_withheld_drafts", "plan", b"plan", "seed", b"seed", "tokens_per_s", b"tokens_per_s", "verify_ms", b"verify_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
