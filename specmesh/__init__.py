@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from specmesh.decoding.adaptive import AdaptiveK, FixedK
-    from specmesh.decoding.sampling import SamplingParams
+    from specmesh.decoding.sampling import AcceptanceRule, SamplingParams
     from specmesh.decoding.speculative import GenerationResult, generate, speculative_stream
     from specmesh.decoding.state import FinishReason, StepEvent
     from specmesh.decoding.stats import SpecStats
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 _MODULES = {  # public name -> the module that defines it
     "AdaptiveK": "specmesh.decoding.adaptive",
     "FixedK": "specmesh.decoding.adaptive",
+    "AcceptanceRule": "specmesh.decoding.sampling",
     "SamplingParams": "specmesh.decoding.sampling",
     "GenerationResult": "specmesh.decoding.speculative",
     "generate": "specmesh.decoding.speculative",
@@ -47,6 +48,7 @@ _MODULES = {  # public name -> the module that defines it
 }
 
 __all__ = [
+    "AcceptanceRule",
     "AdaptiveK",
     "FinishReason",
     "FixedK",

@@ -10,7 +10,8 @@ Glossary
   generated token is P. Both the drafter and the target know it (context length + offset).
 - noise of position t: E_t [vocab], i.i.d. standard exponential, E_t[i] = -log u_t[i], where u_t is
   the uniform stream of a Philox4x64 generator whose key is (seed, t) (numpy's, on the CPU: the same
-  numbers on every machine and device; all 64 bits of the seed count). The Gumbel noise of the Gumbel-max trick is g_t = -log E_t.
+  numbers on every machine and device; all 64 bits of the seed count). The Gumbel noise of the
+  Gumbel-max trick is g_t = -log E_t.
 - coupled sample of a processed distribution r at position t: argmax_i r_i / E_t[i], which is
   argmax_i log r_i + g_t[i] over the support (entries with r_i = 0 score 0 and never win). It is a
   draw from r (the Gumbel-max trick), and a pure function of (r, seed, t).
