@@ -459,8 +459,8 @@ def write_cpu_markdown(report: dict, path: Path) -> None:
         "",
         f"Run {report['date']} on {report['machine']}, torch {report['torch']}, {report['threads']} threads; "
         f"read bandwidth (sum of 512 MiB) {report['read_bandwidth_gb_s']} GB/s. "
-        "**The machine was shared with other jobs while this ran: absolute tokens/s move with their load; the "
-        "ratios are measured back to back, methods alternating prompt by prompt.**",
+        "The machine may be shared (the note says how it was): absolute tokens/s move with other jobs' load; the "
+        "ratios are measured back to back, methods alternating prompt by prompt.",
         "",
         f"Command: `{report['command']}`",
         "",
