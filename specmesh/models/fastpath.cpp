@@ -5,7 +5,7 @@
 // weights streamed once by hand-written dot products plus a few barriers.
 //
 // Every row is computed the same way whatever else is in the call: its norms, its dot products (per output
-// j: two 8-lane accumulators over alternate 8-float vectors of the input, then a fixed tree), its rope, its
+// j: one accumulator lane over the input in order, fused multiply-adds; see gemv), its rope, its
 // attention (keys visited in key order, fixed-order sums) and its activation. The rows' results are
 // equal bit for bit to those of the same row alone, so a verify forward of k + 1 tokens gives, token for
 // token, the logits (and KV) the k + 1 one-token steps would, and speculative decoding equals plain
@@ -15,8 +15,10 @@
 // Layout. `model` (int64, built once by fastpath.py): [num_layers, hidden, heads, kv_heads, head_dim,
 // intermediate, vocab, embed, final_norm, lm_head, cos, sin] then per layer LAYER_FIELDS pointers
 // [input_norm, qkv_w, qkv_b, qk_norm, o_w, o_b, post_norm, gate_up_w, gate_up_b, down_w, down_b, window]
-// (a null pointer: no bias / no qk norm; window 0: full attention). Weights are row-major [out, in]; q/k/v
-// and gate/up are fused (q rows, then k, then v; gate rows, then up). The KV cache is [layers, slots,
+// (a null pointer: no bias / no qk norm; window 0: full attention). The matrices (qkv, o, gate/up, down, lm
+// head) come packed in panels of PANEL outputs, [panel][in][PANEL] (see gemv); q/k/v are fused (q outputs,
+// then k, then v), and so are gate/up (gate's panels, then up's, each padded to whole panels). The
+// embedding is the plain [vocab, hidden] table. The KV cache is [layers, slots,
 // kv_heads, head_dim] for K and for V.
 // `meta` (int64, per call): [n, num_seqs, max_blocks, block_size, num_logits, tree_width, cache_slots]
 // then n token ids, n positions, n new slots, n sequence indices, n first keys of the row's new tokens
@@ -57,48 +59,81 @@ inline float tree_sum(f32x8 v) {
     return t[0];
 }
 
-// Y[m, j] (=, or += with accumulate) x_m . W_j (+ b_j) for m < M, j in [j0, j1) (multiples of 4 apart).
-// K % 8 == 0. Four weight rows at a time stay in L1 while every input row meets them; per (m, j) the sum is
-// always the same: even vectors into one accumulator, odd into another, then their sum's fixed tree.
-void gemv(const float *X, int64_t M, int64_t K, const float *W, const float *bias, int64_t j0, int64_t j1,
+// Y[m, j] (=, or += with accumulate) x_m . W_j (+ b_j) for m < M, j in [j0, j1), j0 a multiple of PANEL.
+// W comes packed in panels of PANEL outputs, [panel][k][PANEL] (fastpath.py pads the last panel with zeros),
+// so for each k one panel's weights are two contiguous vectors, and one input value, broadcast, meets them
+// in fused multiply-adds: output j of row m is one accumulator lane, over k = 0, 1, ..., K - 1 in order,
+// then + b_j. That sum does not depend on M, on which rows share a tile or on the thread's range, so a
+// row's numbers are the same alone or in any batch. Tiles of R rows x P panels (2 R P accumulators, at
+// most 12 of the 16 vector registers) keep the FMA units busy: 6 x 1 for many rows, 1 x 4 for one.
+constexpr int64_t PANEL = 16;
+
+template <int R, int P>
+inline void tile(const float *X, int64_t K, const float *wp, const float *bias, int64_t j, int64_t j1, float *Y,
+                 int64_t ldy, bool accumulate) {
+    f32x8 acc[R][P][2] = {};
+    for (int64_t k = 0; k < K; k++) {
+        f32x8 w[P][2];
+        for (int p = 0; p < P; p++) {
+            w[p][0] = load8(wp + (p * K + k) * PANEL);
+            w[p][1] = load8(wp + (p * K + k) * PANEL + 8);
+        }
+        for (int r = 0; r < R; r++) {
+            const f32x8 xr = f32x8{} + X[r * K + k];
+            for (int p = 0; p < P; p++) {
+                acc[r][p][0] += xr * w[p][0];
+                acc[r][p][1] += xr * w[p][1];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) {
+            float sums[PANEL];
+            store8(sums, acc[r][p][0]);
+            store8(sums + 8, acc[r][p][1]);
+            float *y = Y + r * ldy;
+            for (int64_t i = 0; i < PANEL && j + p * PANEL + i < j1; i++) {
+                const int64_t out = j + p * PANEL + i;
+                const float v = bias ? sums[i] + bias[out] : sums[i];
+                y[out] = accumulate ? y[out] + v : v;
+            }
+        }
+}
+
+// R rows (1..6) against one panel at a time.
+inline void rows_by_panel(int64_t R, const float *X, int64_t K, const float *wp, const float *bias, int64_t j,
+                          int64_t j1, float *Y, int64_t ldy, bool accumulate) {
+    switch (R) {
+        case 6: tile<6, 1>(X, K, wp, bias, j, j1, Y, ldy, accumulate); break;
+        case 5: tile<5, 1>(X, K, wp, bias, j, j1, Y, ldy, accumulate); break;
+        case 4: tile<4, 1>(X, K, wp, bias, j, j1, Y, ldy, accumulate); break;
+        case 3: tile<3, 1>(X, K, wp, bias, j, j1, Y, ldy, accumulate); break;
+        case 2: tile<2, 1>(X, K, wp, bias, j, j1, Y, ldy, accumulate); break;
+        default: tile<1, 1>(X, K, wp, bias, j, j1, Y, ldy, accumulate); break;
+    }
+}
+
+void gemv(const float *X, int64_t M, int64_t K, const float *Wp, const float *bias, int64_t j0, int64_t j1,
           float *Y, int64_t ldy, bool accumulate) {
-    const int64_t pairs = K / 16;
-    const bool odd = (K / 8) % 2;
-    for (int64_t j = j0; j < j1; j += 4) {
-        const float *w0 = W + j * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-        if (j + 4 < j1) {
-            for (int64_t i = 0; i < 4 * K; i += 16) __builtin_prefetch(w0 + 4 * K + i);
-        }
-        for (int64_t m = 0; m < M; m++) {
-            const float *x = X + m * K;
-            f32x8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
-            for (int64_t p = 0; p < pairs; p++) {
-                const int64_t k = 16 * p;
-                const f32x8 x0 = load8(x + k), x1 = load8(x + k + 8);
-                a0 += load8(w0 + k) * x0;
-                b0 += load8(w0 + k + 8) * x1;
-                a1 += load8(w1 + k) * x0;
-                b1 += load8(w1 + k + 8) * x1;
-                a2 += load8(w2 + k) * x0;
-                b2 += load8(w2 + k + 8) * x1;
-                a3 += load8(w3 + k) * x0;
-                b3 += load8(w3 + k + 8) * x1;
-            }
-            if (odd) {
-                const int64_t k = 16 * pairs;
-                const f32x8 x0 = load8(x + k);
-                a0 += load8(w0 + k) * x0;
-                a1 += load8(w1 + k) * x0;
-                a2 += load8(w2 + k) * x0;
-                a3 += load8(w3 + k) * x0;
-            }
-            float s[4] = {tree_sum(a0 + b0), tree_sum(a1 + b1), tree_sum(a2 + b2), tree_sum(a3 + b3)};
-            float *y = Y + m * ldy + j;
-            for (int i = 0; i < 4; i++) {
-                const float v = bias ? s[i] + bias[j + i] : s[i];
-                y[i] = accumulate ? y[i] + v : v;
+    int64_t j = j0;
+    const int64_t panel_floats = K * PANEL;
+    if (M <= 2) {  // few rows: several panels at once, so enough accumulators are in flight
+        for (; j + 4 * PANEL <= j1; j += 4 * PANEL) {
+            const float *wp = Wp + (j / PANEL) * panel_floats;
+            __builtin_prefetch(wp + 4 * panel_floats);
+            if (M == 2) {
+                tile<2, 2>(X, K, wp, bias, j, j1, Y, ldy, accumulate);
+                tile<2, 2>(X, K, wp + 2 * panel_floats, bias, j + 2 * PANEL, j1, Y, ldy, accumulate);
+            } else {
+                tile<1, 4>(X, K, wp, bias, j, j1, Y, ldy, accumulate);
             }
         }
+    }
+    for (; j < j1; j += PANEL) {
+        const float *wp = Wp + (j / PANEL) * panel_floats;
+        int64_t m = 0;
+        for (; m + 6 <= M; m += 6) rows_by_panel(6, X + m * K, K, wp, bias, j, j1, Y + m * ldy, ldy, accumulate);
+        if (m < M) rows_by_panel(M - m, X + m * K, K, wp, bias, j, j1, Y + m * ldy, ldy, accumulate);
     }
 }
 
@@ -230,7 +265,7 @@ extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, f
 
             // q/k/v of every row (each thread norms every row itself: cheaper than a barrier)
             for (int64_t r = 0; r < n; r++) rms_norm(&x[r * hidden], input_norm, hidden, eps, &h[r * hidden]);
-            Range part = split(qkv_dim, T, t, 4);
+            Range part = split(qkv_dim, T, t, PANEL);
             gemv(h.data(), n, hidden, qkv_w, qkv_b, part.lo, part.hi, qkv.data(), qkv_dim, false);
             barrier.wait();
             // qk norm, rope, and the new keys and values into the cache: one task per (row, q or k head)
@@ -297,27 +332,27 @@ extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, f
                 }
             }
             barrier.wait();
-            part = split(hidden, T, t, 4);
+            part = split(hidden, T, t, PANEL);
             gemv(att.data(), n, H * D, o_w, o_b, part.lo, part.hi, x.data(), hidden, true);
             barrier.wait();
             for (int64_t r = 0; r < n; r++) rms_norm(&x[r * hidden], post_norm, hidden, eps, &h[r * hidden]);
-            part = split(inter, T, t, 4);  // gate rows j and up rows inter + j together: silu(gate) * up here
+            part = split(inter, T, t, PANEL);  // gate rows j and up rows inter + j together: silu(gate) * up here
             gemv(h.data(), n, hidden, gu_w, gu_b, part.lo, part.hi, gu.data(), 2 * inter, false);
-            gemv(h.data(), n, hidden, gu_w + inter * hidden, gu_b ? gu_b + inter : nullptr, part.lo, part.hi,
-                 gu.data() + inter, 2 * inter, false);
+            gemv(h.data(), n, hidden, gu_w + (inter + PANEL - 1) / PANEL * PANEL * hidden, gu_b ? gu_b + inter : nullptr,
+                 part.lo, part.hi, gu.data() + inter, 2 * inter, false);  // (up's panels follow gate's, padded)
             for (int64_t r = 0; r < n; r++)
                 for (int64_t j = part.lo; j < part.hi; j++) {
                     const float g = gu[r * 2 * inter + j];
                     act[r * inter + j] = g / (1.0f + exp_approx(-g)) * gu[r * 2 * inter + inter + j];
                 }
             barrier.wait();
-            part = split(hidden, T, t, 4);
+            part = split(hidden, T, t, PANEL);
             gemv(act.data(), n, inter, down_w, down_b, part.lo, part.hi, x.data(), hidden, true);
             barrier.wait();
         }
         for (int64_t i = 0; i < num_logits; i++)
             rms_norm(&x[logits_rows[i] * hidden], final_norm, hidden, eps, &h[i * hidden]);
-        const Range part = split(vocab, T, t, 4);
+        const Range part = split(vocab, T, t, PANEL);
         gemv(h.data(), num_logits, hidden, lm_head, nullptr, part.lo, part.hi, logits, vocab, false);
     }
 }

@@ -4,7 +4,11 @@ Why: a decode step of the default model (30 layers, 135M parameters) is ~540 MB 
 at the machine's ~17-25 GB/s that is 22-31 ms. Torch's eager forward adds ~900 operator calls per step (a few
 microseconds of Python and dispatch each) on top of oneDNN's one-row matmuls. fastpath.cpp runs the layers,
 the attention over the paged cache (reading each row's keys through its block table, no gather copies),
-the KV writes and the lm head in one ctypes call, its threads splitting each matmul's outputs.
+the KV writes and the lm head in one ctypes call, its threads splitting each matmul's outputs. Its matrices
+are packed once into panels of 16 outputs (`packed`), so each input value meets a panel's weights in fused
+multiply-adds with no horizontal sums: one row streams the weights at the memory's pace, and a batch of rows
+(16 sessions' decode steps, a verify chain) reuses each loaded panel across up to 6 rows. The packed copies
+sit beside the torch path's weights (prefill uses those): the fast path doubles a float32 model's memory.
 
 Used by `NativeEngine.forward` for a batch of at most `MAX_ROWS` new tokens (decode steps, verify chains and
 trees, a batch of sessions' rounds), without one-sequence groups; longer forwards (prefill) keep the torch
@@ -32,6 +36,7 @@ import torch
 SOURCE = Path(__file__).with_name("fastpath.cpp")
 ENV_FASTPATH = "SPECMESH_FASTPATH"  # "0": the torch path only
 MAX_ROWS = 32  # forwards of more new tokens take the torch path (prefill: oneDNN's blocked matmul wins there)
+PANEL = 16  # outputs per packed weight panel (fastpath.cpp's PANEL)
 LAYER_FIELDS = 12  # fastpath.cpp's LAYER_FIELDS
 HEADER = ("n", "num_seqs", "max_blocks", "block_size", "num_logits", "tree_width", "cache_slots")
 
@@ -80,6 +85,16 @@ def eligible(config, dtype: torch.dtype, device: torch.device, kernel: str, has_
     return library() is not None
 
 
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] float32 matrix as fastpath.cpp's gemv reads it: panels of PANEL outputs, [panel][in][PANEL],
+    the last panel padded with zero rows. A copy beside the original, which the torch path keeps using."""
+    out, inner = weight.shape
+    panels = -(-out // PANEL)
+    padded = torch.zeros(panels * PANEL, inner, dtype=torch.float32)
+    padded[:out] = weight.detach()
+    return padded.view(panels, PANEL, inner).transpose(1, 2).contiguous()
+
+
 class FastForward:
     """One model's fast path: the pointer table of its weights, built once (it holds the tensors)."""
 
@@ -94,12 +109,16 @@ class FastForward:
         self._keep: list[torch.Tensor] = []
         fields = [c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                   c.vocab_size, self._ptr(model.embed), self._ptr(model.final_norm),
-                  self._ptr(model.lm_head.weight), self._ptr(model.cos), self._ptr(model.sin)]
+                  self._ptr(packed(model.lm_head.weight)), self._ptr(model.cos), self._ptr(model.sin)]
+        inter = c.intermediate_size
         for layer in model.layers:
-            fields += [self._ptr(layer.input_norm), self._ptr(layer.qkv.weight), self._ptr(layer.qkv.bias),
-                       self._ptr(layer.qk_norm), self._ptr(layer.o.weight), self._ptr(layer.o.bias),
-                       self._ptr(layer.post_norm), self._ptr(layer.gate_up.weight), self._ptr(layer.gate_up.bias),
-                       self._ptr(layer.down.weight), self._ptr(layer.down.bias), layer.sliding_window or 0]
+            gate_up = layer.gate_up.weight
+            fields += [self._ptr(layer.input_norm), self._ptr(packed(layer.qkv.weight)), self._ptr(layer.qkv.bias),
+                       self._ptr(layer.qk_norm), self._ptr(packed(layer.o.weight)), self._ptr(layer.o.bias),
+                       self._ptr(layer.post_norm),
+                       self._ptr(torch.cat([packed(gate_up[:inter]), packed(gate_up[inter:])])),
+                       self._ptr(layer.gate_up.bias), self._ptr(packed(layer.down.weight)), self._ptr(layer.down.bias),
+                       layer.sliding_window or 0]
         self.table = torch.tensor(fields, dtype=torch.long)
 
     def _ptr(self, tensor: torch.Tensor | None) -> int:
