@@ -24,6 +24,7 @@ from servicekit.metrics import ServiceMetrics
 from servicekit.process import process_info_pb
 from servicekit.session_service import STATE_PRESERVING_ERRORS, SessionService
 from servicekit.streams import read_ahead
+from specmesh.decoding.adaptive import AdaptiveK
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import SpeculationState, draft_seed
@@ -82,6 +83,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         """A session whose rounds count from `num_prompt_tokens`; its first token is already emitted."""
         state = SpeculationState(target.params, num_prompt_tokens=num_prompt_tokens, max_context=self.engine.max_context,
                                  eos_token_ids=self.engine.eos_token_ids, seed=seed)
+        if isinstance(state.k_policy, AdaptiveK) and self.fused_drafter is not None:  # fused rounds: what drafting costs here
+            state.k_policy.prior_costs(getattr(self.fused_drafter, "ms_per_token", None), self.engine.stats.step_ms)
         state.start(target.pending_token_id)
         return VerifySession(target, state, seed, encoder_input_ids=list(encoder_input_ids))
 

@@ -6,7 +6,10 @@ verify forward v(k) = v1 * (1 + beta * k) (v1 = a one-token forward; beta = extr
 token, a fixed prior: small because decoding is memory-bound; `bench/engine.py` measures it). k = 0 is plain decoding: 1 token for v1.
 The policy picks the k in {0} ∪ [k_min, k_max] with the most tokens per ms. When k = 0 wins, a
 probe round with k_min is still made every `probe_every` rounds so a change in acceptance
-(a repetitive stretch of text, say) is noticed.
+(a repetitive stretch of text, say) is noticed; unless a draft token costs more than the verify time it
+could save (`could_pay`), which no acceptance can make up for. Before the first round, the costs this
+process has measured of its engines (`prior_costs`) choose the first k, so a drafter that cannot pay on
+this hardware (a bf16 self-draft on a CPU without bf16 kernels, say) is never run.
 
 Estimates are exponential moving averages. The acceptance estimate treats a round as a run of
 Bernoulli trials: n accepted of k drafted is n successes and (n < k) one failure, each trial one step
@@ -143,6 +146,23 @@ class AdaptiveK:
     def next_k(self) -> int:
         return self._k
 
+    def prior_costs(self, draft_ms_per_token: float | None, decode_ms: float | None) -> None:
+        """Costs known before this generation's first round (the engines' own one-token forward times
+        in this process, `EngineStats.step_ms`): they stand in until rounds measure them, and choose
+        the first k, which is 0 when drafting cannot pay at these costs. Ignored once rounds measured."""
+        if draft_ms_per_token is None or decode_ms is None or self.draft_ms_per_token is not None:
+            return
+        self.draft_ms_per_token, self.decode_ms = draft_ms_per_token, decode_ms
+        self._k = self._best()
+
+    def could_pay(self) -> bool:
+        """Whether some k > 0 would beat plain decoding were every draft token accepted: a draft
+        token must cost less than the verify time it saves, draft_ms < decode_ms (1 - beta). When
+        it does not, probing (which only measures acceptance) cannot find a k that pays."""
+        if self.draft_ms_per_token is None or self.decode_ms is None:
+            return True
+        return self.draft_ms_per_token < self.decode_ms * (1.0 - self.beta)
+
     def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
                cost: ForwardCost | None = None, catch_up: bool = False) -> None:
         """Fold one round in and choose the next k; `cost` (when the verifier reports it) replaces
@@ -176,16 +196,19 @@ class AdaptiveK:
         draft_ms = (self.draft_ms_per_token or 0.0) * k
         return expected_tokens(min(self.acceptance, 0.999), k) / (draft_ms + decode_ms * (1 + self.beta * k))
 
-    def _choose(self, last_k: int) -> int:
+    def _best(self) -> int:
         candidates = list(range(self.k_min, self.k_max + 1))
         if self.allow_zero:
             candidates.append(0)
-        best = max(candidates, key=self.speed)
+        return max(candidates, key=self.speed)
+
+    def _choose(self, last_k: int) -> int:
+        best = self._best()
         if best != 0:
             self._probe_interval = self.probe_every
         else:
             self._rounds_at_zero = self._rounds_at_zero + 1 if last_k == 0 else 1
-            if self._rounds_at_zero >= self._probe_interval:
+            if self._rounds_at_zero >= self._probe_interval and self.could_pay():
                 self._rounds_at_zero = 0
                 self._probe_interval = min(2 * self._probe_interval, max(self.probe_every, self.max_probe_every))
                 return self.k_min

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from specmesh.decoding.adaptive import KPolicy
+from specmesh.decoding.adaptive import AdaptiveK, KPolicy
 from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator, resolve_seed
 from specmesh.decoding.state import FinishReason, SpeculationState, StepEvent, draft_seed
@@ -75,6 +75,8 @@ def speculative_stream(
         k_policy=k_policy, has_drafter=drafter is not None, decode=decode, prompt_ids=prompt_ids, seed=seed,
         vocab_size=engine.vocab_size, plain_stretches=plain_stretches,
     )
+    if isinstance(state.k_policy, AdaptiveK) and drafter is not None:  # this process's measured costs, if any
+        state.k_policy.prior_costs(getattr(drafter, "ms_per_token", None), engine.stats.step_ms)
     start = time.perf_counter()
     session = verifier.open(prompt_ids, params, target_generator)
     draft_state = None

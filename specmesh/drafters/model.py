@@ -62,6 +62,12 @@ class ModelDrafter:
         self.device = engine.device  # where its generators must live
         self.q_transform = q_transform
 
+    @property
+    def ms_per_token(self) -> float | None:
+        """What a draft token costs here, as far as this process knows: its engine's one-token forward
+        time (`EngineStats.step_ms`; None until one ran). A k policy's prior (`AdaptiveK.prior_costs`)."""
+        return self.engine.stats.step_ms
+
     def open(self, prompt_ids: Sequence[int]) -> ModelDraftState:
         """The prompt is prefilled lazily with the first proposal (it rides in the same forward)."""
         seq_id = self.engine.new_sequence()

@@ -79,6 +79,12 @@ class EngineStats:
     num_sequences_forwarded: int = 0  # sum of batch sizes
     num_tokens_forwarded: int = 0
     num_attention_rows: int = 0  # sum of attention rows (fewer than sequences when groups share a row)
+    # wall ms of a one-token forward (a decode step of one sequence), averaged over the recent ones; None
+    # until one ran. What a drafter's token and a target's step cost here, before a generation measures them
+    step_ms: float | None = None
+
+    def record_step(self, ms: float, weight: float = 0.2) -> None:
+        self.step_ms = ms if self.step_ms is None else (1 - weight) * self.step_ms + weight * ms
 
 
 class Engine(Protocol):

@@ -13,6 +13,7 @@ Mask worked example (one sequence, cached 2, tree tokens [a, b, c] with parents 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -163,6 +164,7 @@ class NativeEngine:
     def forward(self, batch: Sequence[SeqInput]) -> list[torch.Tensor]:
         """One forward over a ragged batch; per input float32 logits [len(logits_at), vocab]."""
         self._validate(batch)
+        begin = time.perf_counter()
         starts = [self.seq_len(item.seq_id) for item in batch]
         new_slots: list[int] = []
         appended = 0
@@ -189,6 +191,8 @@ class NativeEngine:
         self.stats.num_sequences_forwarded += len(batch)
         self.stats.num_tokens_forwarded += len(new_slots)
         self.stats.num_attention_rows += num_rows
+        if len(new_slots) == 1:
+            self.stats.record_step((time.perf_counter() - begin) * 1e3)
         if len(batch) == 1:
             return [logits]
         return list(logits.split([len(item.logits_at) for item in batch]))

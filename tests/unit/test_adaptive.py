@@ -129,3 +129,45 @@ def test_linear_cost_fit_waits_for_spread_then_follows_recent_forwards():
     for tokens, ms in ((8, 50.0), (32, 20.0)) * 10:
         noisy.observe(tokens, ms)
     assert noisy.estimate() == (pytest.approx(35.0, abs=0.1), 0.0)
+
+
+def test_a_drafter_that_cannot_pay_at_its_measured_cost_is_never_run():
+    """Prior costs (this process's engine step times) choose the first k: a draft token costing as much
+    as a target step gives k = 0 from the first round, and no probe follows, since no acceptance could
+    make a token that costs more than the verify time it saves pay."""
+    policy = AdaptiveK(probe_every=2, max_probe_every=4)
+    policy.prior_costs(draft_ms_per_token=40.0, decode_ms=38.0)
+    assert not policy.could_pay()
+    ks = []
+    for _ in range(100):
+        ks.append(policy.next_k())
+        policy.update(0, 0, draft_ms=0.0, verify_ms=38.0)
+    assert ks == [0] * 100
+
+
+def test_a_drafter_that_could_pay_keeps_its_probes():
+    """A draft token at 0.8 of a step pays only at high acceptance: k = 0 at the prior acceptance,
+    but probes still run (one of them may find the acceptance that pays)."""
+    policy = AdaptiveK(probe_every=2, max_probe_every=4)
+    policy.prior_costs(draft_ms_per_token=30.0, decode_ms=38.0)
+    assert policy.could_pay() and policy.next_k() == 0
+    ks = []
+    for _ in range(20):
+        k = policy.next_k()
+        ks.append(k)
+        policy.update(k, 0, draft_ms=30.0 * k, verify_ms=38.0)
+    assert sum(k > 0 for k in ks) >= 3
+
+
+def test_prior_costs_stand_in_only_until_rounds_measure():
+    cheap = AdaptiveK()
+    cheap.prior_costs(draft_ms_per_token=4.0, decode_ms=38.0)
+    assert cheap.next_k() > 0  # a cheap drafter drafts from the first round
+    measured = AdaptiveK()
+    measured.update(4, 4, draft_ms=4.0, verify_ms=40.0)
+    k = measured.next_k()
+    measured.prior_costs(draft_ms_per_token=400.0, decode_ms=38.0)  # too late: rounds measured the costs
+    assert measured.next_k() == k and measured.draft_ms_per_token == pytest.approx(1.0)
+    unknown = AdaptiveK()
+    unknown.prior_costs(None, 38.0)  # nothing measured of the drafter: the old start
+    assert unknown.next_k() == unknown.k_init and unknown.could_pay()
