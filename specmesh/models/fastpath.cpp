@@ -73,6 +73,9 @@ inline void tile(const float *X, int64_t K, const float *wp, const float *bias, 
                  int64_t ldy, bool accumulate) {
     f32x8 acc[R][P][2] = {};
     for (int64_t k = 0; k < K; k++) {
+        // a tile of several rows computes long enough per weight line that the next panel's line, asked
+        // for now, arrives before it is needed (measured: 4 rows from memory ~25% faster)
+        if constexpr (P == 1) __builtin_prefetch(wp + (K + k) * PANEL);
         f32x8 w[P][2];
         for (int p = 0; p < P; p++) {
             w[p][0] = load8(wp + (p * K + k) * PANEL);
