@@ -77,10 +77,16 @@ class Tally:
     mismatches: list[str] = field(default_factory=list)
 
 
+# The kills are deliberate, one every ~20 s: the launcher's crash-loop cap (max_restarts in restart_window_s,
+# 5 in 300 s by default) would retire a process killed that often, which is that feature working, not
+# the recovery under test here (client/supervision.py, RestartTracker and its doctest, covers the cap).
+RESTART = {"restart": "always", "max_restarts": 10_000}
+
+
 def write_config(path: Path, model: str, dtype: str, draft_dtype: str) -> Path:
     path.write_text(yaml.safe_dump({"defaults": {"model": model, "dtype": dtype, "port": 0, "device": "cpu"}, "services": {
-        "draft": {"kind": "draft", "drafter": "model", "dtype": draft_dtype, "restart": "always", "torch_threads": 1},
-        "verify": {"kind": "verify", "replicas": 2, "fused_drafter": "ngram", "restart": "always", "torch_threads": 1},
+        "draft": {"kind": "draft", "drafter": "model", "dtype": draft_dtype, **RESTART, "torch_threads": 1},
+        "verify": {"kind": "verify", "replicas": 2, "fused_drafter": "ngram", **RESTART, "torch_threads": 1},
         "coordinator": {"kind": "coordinator", "health_interval_s": 0.5, "default_drafter": "service"},
         "gateway": {"kind": "gateway"},
     }}, sort_keys=False))
