@@ -1,0 +1,193 @@
+"""Speculation never costs: speculative decoding against our own plain decoding, prompt by prompt, on
+prompts the draft gate, the plain stretches and the adaptive k policy were never tuned on.
+
+    .venv/bin/python bench/never_costs.py [--runs 3] [--max-new-tokens 64] [--threads 2] [--quick]
+
+Default model (SmolLM2-135M-Instruct), greedy, EOS ignored (every run makes --max-new-tokens tokens),
+time including the prefill, one process, the machine's threads. The prompts are
+bench/prompts/held_out.json, a set kept apart for this bench (its "about" says so). Per target:
+    fp32 target      plain | n-gram drafts (prompt lookup) | bf16 self-draft | int8 self-draft (dynamic)
+    Q4_1 target      plain | n-gram drafts                  (the GGUF's own blocks, quantize="gguf")
+every speculative method with the adaptive k policy and the draft gate, as a user's request runs.
+Methods alternate prompt by prompt (the order reverses every run); per prompt the median tok/s over
+--runs, and speculative / plain of the same target. The goal (issue 30): >= 0.97x on every prompt.
+Every method's tokens must equal plain decoding's (greedy exactness); a mismatch is reported.
+Writes bench/results/never_costs.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specmesh.decoding.adaptive import AdaptiveK  # noqa: E402
+from specmesh.decoding.sampling import SamplingParams  # noqa: E402
+from specmesh.decoding.speculative import generate  # noqa: E402
+from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
+from specmesh.drafters.model import ModelDrafter  # noqa: E402
+from specmesh.drafters.ngram import PromptLookupDrafter  # noqa: E402
+from specmesh.models.chat import chat_prompt_ids  # noqa: E402
+from specmesh.models.load import load_engine  # noqa: E402
+from specmesh.models.resolve import resolve_model_spec  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+PROMPTS_FILE = HERE / "prompts" / "held_out.json"
+GOAL = 0.97
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--quick", action="store_true", help="3 prompts, 1 run, 24 tokens (smoke run)")
+    parser.add_argument("--note", default="", help="a line for the report (e.g. the machine's load)")
+    parser.add_argument("--q4-runs", type=int, default=1, help="runs of the Q4_1 methods (its kernel is slow on CPUs "
+                        "without AVX-512: ~3.5 tok/s on an AVX2 EPYC, so it gets fewer runs)")
+    parser.add_argument("--q4-tokens", type=int, default=32, help="new tokens of the Q4_1 methods")
+    args = parser.parse_args()
+    if args.quick:
+        args.runs, args.max_new_tokens, args.q4_runs, args.q4_tokens = 1, 24, 1, 12
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    prompts = json.loads(PROMPTS_FILE.read_text())["prompts"][: 3 if args.quick else None]
+    folder = resolve_model_spec("default")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    fp32 = load_engine(folder, dtype="float32")
+    q4 = load_engine(folder, dtype="float32", quantize="gguf")
+    bf16 = load_engine(folder, dtype="bfloat16")
+    int8 = load_engine(folder, dtype="float32", quantize="int8-dynamic")
+    targets = {"fp32": TargetVerifier(fp32), "Q4_1": TargetVerifier(q4)}
+    methods = {  # name -> (target, drafter factory or None)
+        "fp32 plain": ("fp32", None),
+        "fp32 n-gram": ("fp32", lambda: PromptLookupDrafter(min_n=1, max_n=4)),
+        "fp32 bf16 self-draft": ("fp32", lambda: ModelDrafter(bf16)),
+        "fp32 int8 self-draft": ("fp32", lambda: ModelDrafter(int8)),
+        "Q4_1 plain": ("Q4_1", None),
+        "Q4_1 n-gram": ("Q4_1", lambda: PromptLookupDrafter(min_n=1, max_n=4)),
+    }
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
+    for target, make in methods.values():  # warm-up: kernels, the fast path's build, first-call costs
+        generate(targets[target], make() if make else None, ids[0], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True),
+                 k_policy=AdaptiveK() if make else None)
+
+    q4_params = SamplingParams(temperature=0.0, max_new_tokens=args.q4_tokens, ignore_eos=True)
+    runs: list[dict] = []
+    for run in range(max(args.runs, args.q4_runs)):
+        for index, prompt_ids in enumerate(ids):
+            order = [n for n in methods if run < (args.q4_runs if methods[n][0] == "Q4_1" else args.runs)]
+            order = order if (run + index) % 2 == 0 else order[::-1]
+            for name in order:
+                target, make = methods[name]
+                start = time.perf_counter()
+                result = generate(targets[target], make() if make else None, prompt_ids,
+                                  q4_params if target == "Q4_1" else params, k_policy=AdaptiveK() if make else None)
+                seconds = time.perf_counter() - start
+                s = result.stats
+                runs.append(dict(run=run, prompt=index, method=name, target=target, tokens=result.token_ids,
+                                 tokens_per_s=len(result.token_ids) / seconds, num_drafts=s.num_drafts,
+                                 num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
+                                 num_withheld_drafts=s.num_withheld_drafts, num_target_forwards=s.num_target_forwards))
+            line = ", ".join(f"{r['method']} {r['tokens_per_s']:.1f}" for r in runs[-len(order):])
+            print(f"[run {run} prompt {index}] tok/s: {line}", flush=True)
+
+    summary = summarize(runs, methods, len(ids))
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=platform.machine(),
+                cpu=cpu_name(), cpus=os.cpu_count(), torch=torch.__version__, threads=torch.get_num_threads(),
+                max_new_tokens=args.max_new_tokens, runs=args.runs, num_prompts=len(ids), note=args.note,
+                q4_runs=args.q4_runs, q4_tokens=args.q4_tokens,
+                command="python bench/never_costs.py" + (" --quick" if args.quick else "")
+                        + (f" --runs {args.runs}" if args.runs != 3 and not args.quick else "")
+                        + (f" --max-new-tokens {args.max_new_tokens}" if args.max_new_tokens != 64 and not args.quick else ""))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "never_costs.json").write_text(json.dumps(dict(meta=meta, summary=summary, prompts=prompts, runs=runs),
+                                                         indent=2))
+    report = render(meta, summary, prompts)
+    (RESULTS / "never_costs.md").write_text(report)
+    print(report)
+    return 0
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def summarize(runs: list[dict], methods: dict, num_prompts: int) -> dict:
+    per_prompt: dict[str, list[dict]] = {}
+    for name, (target, _make) in methods.items():
+        plain = f"{target} plain"
+        rows = []
+        for index in range(num_prompts):
+            mine = [r for r in runs if r["method"] == name and r["prompt"] == index]
+            base = [r for r in runs if r["method"] == plain and r["prompt"] == index]
+            tps, base_tps = statistics.median(r["tokens_per_s"] for r in mine), statistics.median(r["tokens_per_s"] for r in base)
+            drafted = sum(r["num_draft_tokens"] for r in mine)
+            rows.append(dict(prompt=index, tokens_per_s=tps, vs_plain=tps / base_tps,
+                             exact=all(r["tokens"] == base[0]["tokens"] for r in mine),
+                             acceptance=sum(r["num_accepted_tokens"] for r in mine) / drafted if drafted else None,
+                             draft_tokens_per_run=drafted / len(mine),
+                             withheld_per_run=sum(r["num_withheld_drafts"] for r in mine) / len(mine)))
+        per_prompt[name] = rows
+    methods_summary = {}
+    for name, rows in per_prompt.items():
+        ratios = [r["vs_plain"] for r in rows]
+        methods_summary[name] = dict(median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in rows),
+                                     median_vs_plain=statistics.median(ratios), lowest_vs_plain=min(ratios),
+                                     highest_vs_plain=max(ratios), prompts_below_goal=sum(x < GOAL for x in ratios),
+                                     all_exact=all(r["exact"] for r in rows))
+    return dict(per_prompt=per_prompt, methods=methods_summary, goal=GOAL)
+
+
+def render(meta: dict, summary: dict, prompts: list[str]) -> str:
+    lines = ["# Speculation never costs: speculative vs our plain decoding on held-out prompts", "",
+             f"Run {meta['date']} on {meta['machine']} {meta['cpus']} cpus ({meta['cpu']}), torch {meta['torch']}, "
+             f"{meta['threads']} threads.", "", f"Command: `{meta['command']}`", ""]
+    if meta["note"]:
+        lines += [f"Note: {meta['note']}", ""]
+    lines += [f"Default model (SmolLM2-135M-Instruct), greedy, {meta['max_new_tokens']} new tokens (EOS ignored), time "
+              f"including the prefill, median of {meta['runs']} runs per prompt (the Q4_1 target: {meta['q4_tokens']} "
+              f"tokens, {meta['q4_runs']} run(s): its kernel is slow on this CPU), methods alternating prompt by prompt. "
+              f"The {meta['num_prompts']} prompts are bench/prompts/held_out.json: the draft gate, the plain stretches "
+              "and the adaptive k policy were never tuned on them. Every speculative method runs the adaptive k "
+              f"policy with the draft gate, as a user's request does. Goal: >= {summary['goal']}x plain decoding of "
+              "the same target on every prompt.", "",
+              "| method | median tok/s | vs plain: median | lowest prompt | highest prompt | prompts below goal | "
+              "tokens = plain's |", "|---|---|---|---|---|---|---|"]
+    for name, m in summary["methods"].items():
+        lines.append(f"| {name} | {m['median_tokens_per_s']:.1f} | {m['median_vs_plain']:.3f}x | {m['lowest_vs_plain']:.3f}x | "
+                     f"{m['highest_vs_plain']:.3f}x | {m['prompts_below_goal']} | {'yes' if m['all_exact'] else 'NO'} |")
+    lines += ["", "Per prompt (speculative / plain of the same target; acceptance; draft tokens and withheld drafts per run):", ""]
+    spec = [n for n in summary["per_prompt"] if not n.endswith("plain")]
+    lines += ["| prompt | " + " | ".join(spec) + " |", "|---" * (len(spec) + 1) + "|"]
+    for index, prompt in enumerate(prompts):
+        cells = []
+        for name in spec:
+            row = summary["per_prompt"][name][index]
+            acc = "–" if row["acceptance"] is None else f"{row['acceptance']:.0%}"
+            cells.append(f"{row['vs_plain']:.2f}x ({acc}; {row['draft_tokens_per_run']:.0f} / {row['withheld_per_run']:.0f})")
+        short = prompt if len(prompt) <= 48 else prompt[:45] + "..."
+        lines.append(f"| {index}: {short.replace('|', '/')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
