@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.engine import cpu_model  # noqa: E402
 from specmesh.decoding.adaptive import AdaptiveK  # noqa: E402
 from specmesh.decoding.sampling import SamplingParams  # noqa: E402
 from specmesh.decoding.speculative import generate  # noqa: E402
@@ -106,7 +107,7 @@ def main() -> int:
 
     summary = summarize(runs, methods, len(ids))
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=platform.machine(),
-                cpu=cpu_name(), cpus=os.cpu_count(), torch=torch.__version__, threads=torch.get_num_threads(),
+                cpu=cpu_model(), cpus=os.cpu_count(), torch=torch.__version__, threads=torch.get_num_threads(),
                 max_new_tokens=args.max_new_tokens, runs=args.runs, num_prompts=len(ids), note=args.note,
                 q4_runs=args.q4_runs, q4_tokens=args.q4_tokens,
                 command="python bench/never_costs.py" + (" --quick" if args.quick else "")
@@ -119,16 +120,6 @@ def main() -> int:
     (RESULTS / "never_costs.md").write_text(report)
     print(report)
     return 0
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def summarize(runs: list[dict], methods: dict, num_prompts: int) -> dict:
