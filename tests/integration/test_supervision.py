@@ -165,8 +165,15 @@ def test_a_seeded_stream_keeps_its_tokens_when_its_replica_is_killed(launched):
 
 
 def test_a_drained_replica_stays_down_and_the_rest_serves(launched, reference):
+    launched.poll_lines()  # a restart printed since the last test's read names the current pid
     services = _services(launched)
-    os.kill(services["verify-1"][1], signal.SIGTERM)  # a drain: the process finishes and exits 0
+    try:
+        os.kill(services["verify-1"][1], signal.SIGTERM)  # a drain: the process finishes and exits 0
+    except ProcessLookupError:
+        time.sleep(2)  # what the launcher prints about it, for the report
+        launched.poll_lines()
+        raise AssertionError(f"verify-1 (pid {services['verify-1'][1]}) is not running:\n"
+                             + "".join(launched.lines) + launched.log_tails()) from None
     launched.read_until("[launcher] verify-1 exited", timeout_s=30)
     assert "stays down: exit code 0; restart on-failure" in launched.lines[-1]
     assert asyncio.run(_stream(services["coordinator"][0]))[0] == reference
