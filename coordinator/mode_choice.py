@@ -12,7 +12,9 @@ Rules, first match wins:
   5. auto, a conversation of more than one message (a system prompt, earlier turns): plain, since SoT
      plans from the last user message alone and would drop the rest;
   6. auto, one user message: `specmesh.skeleton.router.route(question)` picks skeleton or plain, and
-     its reason names the rule that matched (e.g. 'list of points: matched "tips"').
+     its reason names the rule that matched (e.g. 'list of points: matched "tips"');
+  7. ... but where SoT has lost on this target, or is not measured yet (`skeleton_closed`, from
+     `specmesh.skeleton.gate.SkeletonGate`), plain, and the reason says both.
 "Plain" under auto is speculative decoding (`PLAIN_MODE`), with the request's drafter.
 
 >>> from specmesh.proto.v1 import coordinator_pb2 as pb
@@ -23,6 +25,8 @@ ModeChoice(mode='skeleton', reason='list of points: matched "tips"', routed=True
 'speculative'
 >>> choose_mode(ask("tips?", mode=pb.GENERATION_MODE_FUSED), "auto", "tips?")
 ModeChoice(mode='fused', reason='requested', routed=False)
+>>> choose_mode(ask("Give me tips."), "auto", "Give me tips.", skeleton_closed="SoT lost on this target: plan rejected").reason
+'list of points: matched "tips"; SoT lost on this target: plan rejected'
 """
 
 from __future__ import annotations
@@ -70,9 +74,10 @@ def request_question(request: coordinator_pb2.GenerateRequest) -> str:
 
 
 def choose_mode(request: coordinator_pb2.GenerateRequest, default_mode: str, question: str, *,
-                skeleton_ok: bool = True) -> ModeChoice:
+                skeleton_ok: bool = True, skeleton_closed: str | None = None) -> ModeChoice:
     """The mode `request` runs in (module docstring); ValueError for a mode value this coordinator does not know.
-    `skeleton_ok`: the target can run SoT (False for an encoder-decoder model)."""
+    `skeleton_ok`: the target can run SoT (False for an encoder-decoder model); `skeleton_closed`: why
+    auto must not pick it now (None: it may)."""
     if request.mode != coordinator_pb2.GENERATION_MODE_UNSPECIFIED:
         if request.mode not in MODE_NAMES:
             raise ValueError(f"unknown generation mode {request.mode}")
@@ -86,4 +91,6 @@ def choose_mode(request: coordinator_pb2.GenerateRequest, default_mode: str, que
     if len(request.chat.messages) > 1:
         return ModeChoice(PLAIN_MODE, CONVERSATION.format(num_messages=len(request.chat.messages)), routed=True)
     decision = route(question)
+    if decision.mode is Mode.SKELETON and skeleton_closed:
+        return ModeChoice(PLAIN_MODE, f"{decision.reason}; {skeleton_closed}", routed=True)
     return ModeChoice("skeleton" if decision.mode is Mode.SKELETON else PLAIN_MODE, decision.reason, routed=True)

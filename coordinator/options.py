@@ -33,6 +33,9 @@ class CoordinatorOptions(ServerOptions):
     server_rounds: bool = True
     skeleton_max_parallel: int = 4  # skeleton mode: branches decoded at once when the request says 0
     skeleton_max_points: int = 8  # skeleton mode: the most points a plan may have (the grammar's bound)
+    # default_mode auto: measure one plain and one SoT answer at start before routing any question to SoT
+    # (specmesh/skeleton/gate.py); false: the first routed list question tries SoT
+    skeleton_probe: bool = True
     skeleton_layout: str = "one_sequence"  # skeleton mode: one_sequence (regions of one sequence; faster here) | batching
     health_interval_s: float = 1.0  # downstream health checks
     cascade_predictor: str = ""  # adaptive cascade (lossy, opt-in): a predictor file trained for cascade_stages (specmesh cascade train)

@@ -101,4 +101,12 @@ async def create_server(options: CoordinatorOptions) -> tuple[ServiceHandle, int
         await cascade.close()
 
     handle = await start_service(options, metrics, servicer, [SERVICE_NAME], on_stop=[close_pools])
+    if servicer.probes_skeleton:
+        probe = asyncio.create_task(servicer.probe_skeleton())
+
+        async def stop_probe() -> None:
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
+
+        handle.on_stop.insert(0, stop_probe)
     return handle, handle.port

@@ -12,6 +12,7 @@ a plan, then branches forked from it, streamed side by side. The Coordinator aut
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
 
@@ -19,7 +20,7 @@ import grpc
 
 from coordinator.cascade import NO_CASCADE, CascadeStages, NamedCascade, adaptive_stats, cascade_stats_pb, request_stages
 from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier
-from coordinator.mode_choice import ModeChoice, choose_mode, request_question
+from coordinator.mode_choice import PLAIN_MODE, ModeChoice, choose_mode, request_question
 from coordinator.options import DRAFTERS, CoordinatorOptions
 from coordinator.pools import ServicePool
 from coordinator.skeleton import Links, SkeletonAnswer, SkeletonRequest
@@ -39,8 +40,10 @@ from specmesh.models.chat import chat_messages_ids, check_chat_roles
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from specmesh.routing.replica import NoHealthyReplica
 from specmesh.skeleton.automaton import SkeletonFormat
+from specmesh.skeleton.gate import PROBE_MAX_NEW_TOKENS, PROBE_QUESTION, SkeletonGate
 
 NGRAM_ON_VERIFY = "ngram@verify"  # the stats' drafter of n-gram drafts placed on the Verify service
+log = logging.getLogger("specmesh.coordinator")
 READ_AHEAD_RESPONSES = 8  # rounds a stream may run ahead of a slow client before it waits
 
 
@@ -68,6 +71,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.totals = SpecStats()
         self.num_requests = self.num_active = self.num_failed = self.num_cancelled = self.num_failovers = 0
         self.num_generated_tokens = 0
+        # whether auto may pick SoT here: measured (specmesh/skeleton/gate.py); a probe at start when asked
+        self.skeleton_gate = SkeletonGate(probing=self.probes_skeleton)
+
+    @property
+    def probes_skeleton(self) -> bool:
+        """`default_mode: auto` measures SoT against plain answers at start (`probe_skeleton`)."""
+        return self.options.default_mode == "auto" and self.options.skeleton_probe and self.decoder_prompt_ids is None
 
     @property
     def max_context(self) -> int:
@@ -103,7 +113,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def _mode_and_drafter(self, request: coordinator_pb2.GenerateRequest) -> tuple[ModeChoice, str]:
         choice = choose_mode(request, self.options.default_mode, request_question(request),
-                             skeleton_ok=self.decoder_prompt_ids is None)  # an encoder-decoder target runs no SoT
+                             skeleton_ok=self.decoder_prompt_ids is None,  # an encoder-decoder target runs no SoT
+                             skeleton_closed=self.skeleton_gate.closed_reason())
         drafter = request.drafter or self.options.default_drafter
         if drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
@@ -132,6 +143,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         else:
             source = self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers, encoder_ids)
         responses = read_ahead(source, READ_AHEAD_RESPONSES)  # the next round runs while this one is written
+        started_s = time.perf_counter()
         self.num_requests += 1
         self.num_active += 1
         finished = cancelled = False
@@ -141,6 +153,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 if finished:
                     response.mode_choice.CopyFrom(coordinator_pb2.ModeChoice(mode=choice.pb_mode, reason=choice.reason,
                                                                              routed=choice.routed))
+                    self._measured(mode, started_s, response)
                 yield response
         except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, or its deadline passed
             cancelled = True
@@ -197,6 +210,46 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 yield response
         finally:
             await stream.aclose()
+
+    def _measured(self, mode: str, started_s: float, final: coordinator_pb2.GenerateResponse) -> None:
+        """A finished answer's wall time per answer token, for the SoT gate (plain: the mode auto runs instead)."""
+        wall_ms = (time.perf_counter() - started_s) * 1e3
+        if mode == "skeleton":
+            summary = final.skeleton
+            num_tokens = (sum(b.num_tokens for b in summary.branches) if summary.branches
+                          else final.stats.num_generated_tokens - summary.num_skeleton_tokens)
+            self.skeleton_gate.record_skeleton(wall_ms, num_tokens, summary.direct_reason)
+        elif mode == PLAIN_MODE:
+            self.skeleton_gate.record_plain(wall_ms, final.stats.num_generated_tokens)
+
+    async def probe_skeleton(self) -> None:
+        """Under `default_mode: auto`, at start: one plain and one SoT answer of a list question
+        (greedy, `PROBE_MAX_NEW_TOKENS`), measured as any answer is, so the first routed question
+        already goes where this target is faster. Auto answers plainly until it is done."""
+        error = ""
+        try:
+            request = coordinator_pb2.GenerateRequest(chat=coordinator_pb2.ChatMessages(
+                messages=[coordinator_pb2.ChatMessage(role="user", content=PROBE_QUESTION)]))
+            request.sampling.max_new_tokens = PROBE_MAX_NEW_TOKENS
+            prompt_ids = self._prompt_ids(request)
+            params = sampling_from_pb(request.sampling, self.info.vocab_size, self.options.default_max_new_tokens)
+            drafter_kind = self.options.default_drafter
+            for mode in (PLAIN_MODE, "skeleton"):
+                calls, failovers, started_s = self._calls(None), Failovers(), time.perf_counter()
+                source = (self._skeleton(request, prompt_ids, params, calls, failovers, drafter_kind, "the start-up probe")
+                          if mode == "skeleton" else self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers))
+                final = None
+                async for response in source:
+                    if response.branch_id == -1 and response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        final = response
+                if final is None:
+                    raise RuntimeError(f"the {mode} answer did not finish")
+                self._measured(mode, started_s, final)
+        except Exception as exc:  # noqa: BLE001 - the gate says why, and auto answers plainly
+            error = f"{type(exc).__name__}: {exc}"
+        self.skeleton_gate.probe_done(error)
+        reason = self.skeleton_gate.closed_reason()
+        log.info("SoT probe done: auto %s", f"answers plainly ({reason})" if reason else "may pick SoT for list questions")
 
     def _skeleton(self, request: coordinator_pb2.GenerateRequest, prompt_ids: list[int], params: SamplingParams, calls: Calls,
                   failovers: Failovers, drafter_kind: str, route_reason: str) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:

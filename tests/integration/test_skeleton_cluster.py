@@ -463,3 +463,44 @@ def test_independent_branches_verify_together_and_release_the_plan_session(clust
     assert not sessions_while_all_run[-1] & plan_ids  # the plan's session is closed once every branch forked
     assert any(len(ids) == 3 and not ids & plan_ids for ids in sessions_while_all_run)  # three branches at once
     _assert_sessions_closed(cluster)
+
+
+def _ask_list_question() -> coordinator_pb2.GenerateRequest:
+    """A list question with no mode named: `default_mode: auto` routes it."""
+    return coordinator_pb2.GenerateRequest(
+        chat=coordinator_pb2.ChatMessages(messages=[coordinator_pb2.ChatMessage(role="user", content=QUESTION)]),
+        drafter="ngram", sampling=common_pb2.SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+
+
+def test_auto_stops_picking_skeleton_once_it_lost_on_this_target(target):
+    """default_mode auto without the start-up probe: the first list question tries SoT (nothing is measured
+    yet); a SoT answer whose plan is rejected loses, and from then on auto answers list questions in
+    speculative mode, its reason saying why (specmesh/skeleton/gate.py)."""
+    with Cluster(target, default_mode="auto", skeleton_probe=False) as auto:
+        first = _run(_stream(auto.address, _ask_list_question()))[-1]
+        assert first.mode_choice.mode == coordinator_pb2.GENERATION_MODE_SKELETON and first.mode_choice.routed
+        plan = "[PLAN]\n1.<40><None>[-]Dark room\n2.<40><None>[1]dark room.\n[END]"
+        lost = _run(_stream(auto.address, _request(plan, max_new_tokens=8, ignore_eos=True)))[-1]
+        assert lost.skeleton.direct_reason.startswith("plan rejected")
+        routed = _run(_stream(auto.address, _ask_list_question()))[-1]
+        assert routed.mode_choice.mode == coordinator_pb2.GENERATION_MODE_SPECULATIVE and routed.mode_choice.routed
+        assert routed.mode_choice.reason.startswith("list of points")
+        assert routed.mode_choice.reason.endswith(f"; SoT lost on this target: {lost.skeleton.direct_reason}")
+        assert not routed.HasField("skeleton")
+
+
+def test_auto_measures_skeleton_against_plain_at_start(target):
+    """default_mode auto with the probe (the default): one plain and one SoT answer are measured before
+    any question is routed to SoT, and routed list questions then follow the measured verdict."""
+    with Cluster(target, default_mode="auto") as auto:
+        gate = auto.coordinator.servicer.skeleton_gate
+        deadline_s = time.monotonic() + TIMEOUT_S
+        while gate.probing and time.monotonic() < deadline_s:
+            time.sleep(0.1)
+        assert not gate.probing and gate.num_skeleton_answers == 1 and len(gate.plain_ms_per_token) == 1
+        routed = _run(_stream(auto.address, _ask_list_question()))[-1]
+        closed = gate.closed_reason()
+        expected = coordinator_pb2.GENERATION_MODE_SPECULATIVE if closed else coordinator_pb2.GENERATION_MODE_SKELETON
+        assert routed.mode_choice.mode == expected, (routed.mode_choice.reason, closed)
+        if closed:
+            assert routed.mode_choice.reason.endswith(f"; {closed}")
