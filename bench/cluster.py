@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from client.cluster import Cluster  # noqa: E402
-from client.wire_loop import channel  # noqa: E402
+from servicekit.channels import open_channel as channel  # noqa: E402
 from specmesh.decoding.adaptive import AdaptiveK, FixedK  # noqa: E402
 from specmesh.decoding.sampling import SamplingParams  # noqa: E402
 from specmesh.decoding.speculative import generate  # noqa: E402

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from client.cluster import Cluster  # noqa: E402
 from client.ray_cluster import RayCluster, load_ray_config  # noqa: E402
-from client.wire_loop import channel  # noqa: E402
+from servicekit.channels import open_channel as channel  # noqa: E402
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
 MODEL = os.environ.get("SPECMESH_BENCH_MODEL", "default")

@@ -25,10 +25,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from client.wire_loop import channel, wire_generation  # noqa: E402
 from draft_service.options import DraftOptions  # noqa: E402
 from draft_service.server import create_server as create_draft  # noqa: E402
 from servicekit.background import BackgroundServices  # noqa: E402
+from servicekit.channels import open_channel as channel  # noqa: E402
+from servicekit.wire_loop import wire_generation  # noqa: E402
 from specmesh.decoding.sampling import SamplingParams  # noqa: E402
 from specmesh.proto.v1 import common_pb2, verify_pb2, verify_pb2_grpc  # noqa: E402
 from target_service.options import VerifyOptions  # noqa: E402

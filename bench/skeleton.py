@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from client.cluster import Cluster  # noqa: E402
 from client.health import metric_values  # noqa: E402
-from client.wire_loop import channel  # noqa: E402
+from servicekit.channels import open_channel as channel  # noqa: E402
 from specmesh.models.resolve import resolve_model_spec  # noqa: E402
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 from specmesh.skeleton.automaton import SkeletonFormat  # noqa: E402

@@ -11,12 +11,12 @@ import grpc
 import pytest
 import torch
 
-from client.wire_loop import channel
 from coordinator.options import CoordinatorOptions
 from coordinator.server import create_server as create_coordinator
 from draft_service.options import DraftOptions
 from draft_service.server import create_server as create_draft
 from servicekit.background import BackgroundServices
+from servicekit.channels import open_channel as channel
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier

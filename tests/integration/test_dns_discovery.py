@@ -18,9 +18,9 @@ from service_helpers import target_only_greedy
 
 import coordinator.discovery
 from client.cluster import Cluster, ServiceSpec
-from client.wire_loop import channel
 from coordinator.options import CoordinatorOptions
 from coordinator.server import create_server
+from servicekit.channels import open_channel as channel
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"

@@ -181,9 +181,9 @@ def test_the_coordinator_serves_an_encoder_decoder_pair_exactly(cluster, models)
     autoregressive greedy streams equal target-only decoding in-process; skeleton and cascade are refused."""
     from transformers import AutoTokenizer
 
-    from client.wire_loop import channel
     from coordinator.options import CoordinatorOptions
     from coordinator.server import create_server as create_coordinator
+    from servicekit.channels import open_channel as channel
     from specmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     text = "the quick brown fox"

@@ -15,7 +15,7 @@ import yaml
 from service_helpers import target_only_greedy
 
 from client.cluster import Cluster
-from client.wire_loop import channel
+from servicekit.channels import open_channel as channel
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"

@@ -22,7 +22,6 @@ import httpx
 import pytest
 from service_helpers import wait_for
 
-from client.wire_loop import channel
 from coordinator.options import CoordinatorOptions
 from coordinator.server import create_server as create_coordinator
 from draft_service.options import DraftOptions
@@ -30,6 +29,7 @@ from draft_service.server import create_server as create_draft
 from gateway.options import GatewayOptions
 from gateway.server import create_gateway
 from servicekit.background import BackgroundServices
+from servicekit.channels import open_channel as channel
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from target_service.options import VerifyOptions
 from target_service.server import create_server as create_verify

@@ -11,11 +11,11 @@ import grpc
 import pytest
 import torch
 
-from client.wire_loop import channel
 from draft_service.options import DraftOptions
 from draft_service.server import create_server as create_draft
 from servicekit.auth import _principal
 from servicekit.background import BackgroundServices
+from servicekit.channels import open_channel as channel
 from servicekit.convert import distributions_to_pb
 from servicekit.errors import QuotaExceeded, SessionNotFound
 from servicekit.quotas import QuotaOptions

@@ -14,8 +14,8 @@ import grpc
 import pytest
 from service_helpers import wait_for
 
-from client.wire_loop import channel
 from servicekit.background import BackgroundServices
+from servicekit.channels import open_channel as channel
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.verifier import TargetVerifier

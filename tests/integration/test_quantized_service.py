@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from client.wire_loop import wire_generation
 from draft_service.options import DraftOptions
 from draft_service.server import create_server as create_draft
 from servicekit.background import BackgroundServices
+from servicekit.wire_loop import wire_generation
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier

@@ -28,7 +28,7 @@ from ray.cluster_utils import Cluster as RayTestCluster  # noqa: E402
 from service_helpers import target_only_greedy  # noqa: E402
 
 from client.ray_cluster import RayCluster, load_ray_config  # noqa: E402
-from client.wire_loop import channel  # noqa: E402
+from servicekit.channels import open_channel as channel  # noqa: E402
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"

@@ -29,10 +29,10 @@ from grpc_reflection.v1alpha import reflection_pb2
 from service_helpers import wait_for
 
 from client.cluster import wait_serving
-from client.wire_loop import channel
 from servicekit.auth import AuthPolicy, current_principal, load_tokens
 from servicekit.background import BackgroundServices
 from servicekit.channels import open_channel
+from servicekit.channels import open_channel as channel
 from servicekit.errors import PermissionDenied, Unauthenticated, rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.options import ServerOptions

@@ -12,12 +12,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_helpers import wait_for
 
-from client.wire_loop import channel, wire_generation
 from draft_service.options import DraftOptions
 from draft_service.server import create_server as create_draft
 from servicekit.background import BackgroundServices
+from servicekit.channels import open_channel as channel
 from servicekit.convert import distributions_to_pb
 from servicekit.remote import outcome_from_pb
+from servicekit.wire_loop import wire_generation
 from specmesh.decoding.adaptive import FixedK, ForwardCost
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import AcceptanceRule, SamplingParams

@@ -150,9 +150,9 @@ def test_the_coordinator_runs_the_configured_cascade_exactly_and_reports_each_st
     off; a stage the coordinator was not configured with, or a cascade outside speculative mode, is refused."""
     from transformers import AutoTokenizer
 
-    from client.wire_loop import channel
     from coordinator.options import CoordinatorOptions
     from coordinator.server import create_server as create_coordinator
+    from servicekit.channels import open_channel as channel
     from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
     folders, ports, services = cluster
@@ -200,9 +200,9 @@ def test_the_adaptive_cascade_through_the_coordinator_is_lossy_only_when_asked(c
 
     from transformers import AutoTokenizer
 
-    from client.wire_loop import channel
     from coordinator.options import CoordinatorOptions
     from coordinator.server import create_server as create_coordinator
+    from servicekit.channels import open_channel as channel
     from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
     folders, ports, services = cluster

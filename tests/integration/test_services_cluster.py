@@ -6,7 +6,7 @@ from __future__ import annotations
 import yaml
 
 from client.cluster import Cluster
-from client.wire_loop import run_wire_generation
+from servicekit.wire_loop import run_wire_generation
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate

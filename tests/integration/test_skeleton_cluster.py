@@ -21,7 +21,7 @@ import grpc
 import pytest
 from test_coordinator import Cluster  # the same module object pytest collected (tests/ is no package)
 
-from client.wire_loop import channel
+from servicekit.channels import open_channel as channel
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate

@@ -20,9 +20,9 @@ import pytest
 import yaml
 from service_helpers import wait_for
 
-from client.wire_loop import channel
 from servicekit.auth import current_principal
 from servicekit.background import BackgroundServices
+from servicekit.channels import open_channel as channel
 from servicekit.errors import rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.options import ServerOptions

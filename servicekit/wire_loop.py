@@ -7,6 +7,8 @@ The round is `specmesh.decoding.state`, stepped by `specmesh.decoding.async_driv
 adapters of `servicekit.remote`; so with the same models and seed it returns the same tokens as the
 in-process `generate(..., k_policy=FixedK(k))`. q travels from the Draft to the Verify service as
 the exact values the drafter sampled from (`q_dtype` float32 / float16 / bfloat16, dense or sparse).
+Used by the benches and integration tests that drive the services without a Coordinator (its home is
+here, beside the adapters it steps, rather than in `client/`, the user's CLI).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from servicekit.channels import open_channel
@@ -28,8 +29,6 @@ from specmesh.decoding.stats import SpecStats
 from specmesh.proto.v1 import draft_pb2_grpc, verify_pb2_grpc
 
 Q_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
 @dataclass
@@ -64,18 +63,11 @@ async def wire_generate(
                       len(counters.bytes_per_round), counters.bytes_per_round)
 
 
-def channel(address: str, *, tls_ca: str = "", client_cert: str = "", client_key: str = "", token: str = "",
-            end_user: str = "") -> grpc.aio.Channel:
-    """An asyncio channel to a service (`servicekit.channels.open_channel`: TLS / mTLS, token, end user)."""
-    return open_channel(address, tls_ca=tls_ca, client_cert=client_cert, client_key=client_key, token=token,
-                        end_user=end_user, options=CHANNEL_OPTIONS)
-
-
 async def wire_generation(draft_addr: str | None, verify_addr: str, prompt_ids: Sequence[int], params: SamplingParams,
                           k: int | None = 4, **kwargs) -> WireResult:
     """Open channels, run `wire_generate` with FixedK(k) (AdaptiveK when k is None), close."""
-    async with channel(verify_addr) as verify_channel:
-        draft_channel = channel(draft_addr) if draft_addr else None
+    async with open_channel(verify_addr) as verify_channel:
+        draft_channel = open_channel(draft_addr) if draft_addr else None
         try:
             draft = draft_pb2_grpc.DraftServiceStub(draft_channel) if draft_channel else None
             policy = FixedK(k) if k is not None else None
