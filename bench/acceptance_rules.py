@@ -2,6 +2,7 @@
 (seeds that reproduce in every mode) costs in acceptance and speed against the standard rule.
 
     .venv/bin/python bench/acceptance_rules.py [--max-new-tokens 32] [--seeds 3] [--threads 1] [--quick]
+                                               [--methods ar,ngram,bf16-k3] [--out acceptance_rules]
 
 SmolLM2-135M-Instruct (default), fp32 target, sampled at temperature 0.7 and 1.0, the prompts of
 bench/speculative.py (input-grounded and chat). Two parts:
@@ -108,6 +109,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: on a shared machine two threads wait on each other's barriers)")
     parser.add_argument("--quick", action="store_true", help="one prompt per set, one seed, 16 tokens (smoke run)")
+    parser.add_argument("--methods", default="ar,ngram,bf16-k3", help="the measured methods, comma-separated (part 2)")
+    parser.add_argument("--out", default="acceptance_rules", help="results file name under bench/results (no suffix)")
     args = parser.parse_args()
     if args.quick:
         args.max_new_tokens, args.seeds = 16, 1
@@ -126,6 +129,12 @@ def main() -> int:
         "ngram": (lambda: PromptLookupDrafter(min_n=1, max_n=4), AdaptiveK),
         "bf16-k3": (lambda: ModelDrafter(bf16), lambda: FixedK(3)),
     }
+    unknown = set(args.methods.split(",")) - set(methods)
+    if unknown:
+        parser.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(methods)}")
+    if "ar" not in args.methods.split(","):
+        parser.error("--methods needs ar: every run's tokens are checked against target-only decoding's")
+    methods = {name: make for name, make in methods.items() if name in args.methods.split(",")}
     sets = {"input-grounded": GROUNDED_PROMPTS, "chat": CHAT_PROMPTS}
     if args.quick:
         sets = {name: prompts[:1] for name, prompts in sets.items()}
@@ -166,7 +175,7 @@ def main() -> int:
                     line = ", ".join(f"{m}/{r[:4]} {outputs[m, r]['tokens_per_s']:.1f}" for m, r in outputs)
                     print(f"[{set_name} #{prompt_index} t{temperature} s{seed}] tok/s: {line}", flush=True)
 
-    summary = summarize(runs, expected)
+    summary = summarize(runs, expected, list(methods))
     summary["noise_ms_per_position"] = noise_ms(target.vocab_size)
     meta = dict(model="SmolLM2-135M-Instruct (default), fp32 target, bf16 / int8 self-draft", vocab_size=target.vocab_size,
                 max_new_tokens=args.max_new_tokens, seeds=args.seeds, temperatures=list(TEMPERATURES),
@@ -176,20 +185,22 @@ def main() -> int:
                 command="python bench/acceptance_rules.py" + (" --quick" if args.quick else "") +
                         (f" --seeds {args.seeds}" if args.seeds != 3 and not args.quick else "") +
                         (f" --threads {args.threads}" if args.threads != 1 else "") +
-                        (f" --max-new-tokens {args.max_new_tokens}" if args.max_new_tokens != 32 and not args.quick else ""))
+                        (f" --max-new-tokens {args.max_new_tokens}" if args.max_new_tokens != 32 and not args.quick else "") +
+                        (f" --methods {args.methods}" if args.methods != parser.get_default("methods") else "") +
+                        (f" --out {args.out}" if args.out != parser.get_default("out") else ""))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "acceptance_rules.json").write_text(json.dumps(dict(meta=meta, summary=summary, expected=expected, runs=runs),
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(dict(meta=meta, summary=summary, expected=expected, runs=runs),
                                                               indent=2))
     lines = report(meta, summary)
-    (RESULTS / "acceptance_rules.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
 
-def summarize(runs: list[dict], expected: list[dict]) -> dict:
+def summarize(runs: list[dict], expected: list[dict], methods: list[str]) -> dict:
     table = {}
     for temperature in TEMPERATURES:
-        for method in ("ar", "ngram", "bf16-k3"):
+        for method in methods:
             for rule in (r.value for r in RULES):
                 rows = [r for r in runs if r["temperature"] == temperature and r["method"] == method and r["rule"] == rule]
                 drafted = sum(r["num_draft_tokens"] for r in rows)
