@@ -47,10 +47,12 @@ def _scenario(engine, use_fast: bool) -> list[torch.Tensor]:
         fastpath.MAX_ROWS = saved
 
 
-@pytest.mark.parametrize("family", ["llama", "smollm2", "llama3", "qwen2", "qwen3", "mistral-window"])
+@pytest.mark.parametrize("family", ["llama", "smollm2", "smollm2-d64", "llama3", "qwen2", "qwen3", "mistral-window"])
 def test_fast_path_matches_the_torch_forward(family, tiny_model_dir, tmp_path):
     if family == "mistral-window":
         path = with_sliding_window(tiny_model_dir("mistral", init_std=0.2), tmp_path / "window", 6)
+    elif family == "smollm2-d64":  # heads of 64 values, as the real models' (the attention's 64-value path)
+        path = tiny_model_dir("smollm2", init_std=0.2, hidden_size=256)
     else:
         path = tiny_model_dir(family, init_std=0.2)
     engine = load_engine(path, dtype="float32", block_size=4)
@@ -61,21 +63,24 @@ def test_fast_path_matches_the_torch_forward(family, tiny_model_dir, tmp_path):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_each_row_is_bit_identical_to_the_row_alone(tiny_model_dir):
+@pytest.mark.parametrize("hidden_size", [64, 256])  # heads of 16 and of 64 values
+def test_each_row_is_bit_identical_to_the_row_alone(tiny_model_dir, hidden_size):
     """A verify chain of k + 1 tokens == k + 1 one-token steps; a sequence in a batch == alone; two threads
     == one thread: the last bit, logits and KV alike (so speculative decoding equals plain decoding)."""
-    engine = load_engine(tiny_model_dir("smollm2", init_std=0.2), dtype="float32", block_size=4)
+    engine = load_engine(tiny_model_dir("smollm2", init_std=0.2, hidden_size=hidden_size), dtype="float32", block_size=4)
     vocab = engine.vocab_size
     a, b = engine.new_sequence(), engine.new_sequence()
     engine.forward([SeqInput(a, random_ids(vocab, 30, seed=11), []), SeqInput(b, random_ids(vocab, 9, seed=12), [])])
-    chain = random_ids(vocab, 6, seed=13)
-    together = engine.forward([SeqInput(a, chain, list(range(6)))])[0]
-    keys_together = engine.cache.k[:, engine.cache.slot_tensor(a)].clone()
-    engine.truncate(a, 30)
-    steps = torch.cat([engine.forward([SeqInput(a, [t], [0])])[0] for t in chain])
-    assert torch.equal(together, steps)
-    assert torch.equal(keys_together, engine.cache.k[:, engine.cache.slot_tensor(a)])
-    engine.truncate(a, 30)
+    for length in (6, 10, 16):  # row tiles: 6; 5 + 5; 6 + 5 + 5 (fastpath.cpp's gemv)
+        chain = random_ids(vocab, length, seed=13)
+        together = engine.forward([SeqInput(a, chain, list(range(length)))])[0]
+        keys_together = engine.cache.k[:, engine.cache.slot_tensor(a)].clone()
+        engine.truncate(a, 30)
+        steps = torch.cat([engine.forward([SeqInput(a, [t], [0])])[0] for t in chain])
+        assert torch.equal(together, steps), length
+        assert torch.equal(keys_together, engine.cache.k[:, engine.cache.slot_tensor(a)]), length
+        engine.truncate(a, 30)
+    chain = chain[:6]
     alone = engine.forward([SeqInput(b, [5, 6], [0, 1])])[0]
     engine.truncate(b, 9)
     batched = engine.forward([SeqInput(a, chain[:3], [2]), SeqInput(b, [5, 6], [0, 1])])[1]
