@@ -122,6 +122,7 @@ inline void rows_by_panel(int64_t R, const float *X, int64_t K, const float *wp,
 
 void gemv(const float *X, int64_t M, int64_t K, const float *Wp, const float *bias, int64_t j0, int64_t j1,
           float *Y, int64_t ldy, bool accumulate) {
+    if (M <= 0) return;  // (a prefill that asks for no logits)
     int64_t j = j0;
     const int64_t panel_floats = K * PANEL;
     if (M <= 2) {  // few rows: several panels at once, so enough accumulators are in flight

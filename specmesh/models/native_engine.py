@@ -172,7 +172,7 @@ class NativeEngine:
             for item in batch:
                 new_slots += self.cache.append(item.seq_id, len(item.token_ids))
                 appended += 1
-            if self._fast_eligible(batch, len(new_slots)):
+            if self._fast_eligible(batch, starts, len(new_slots)):
                 logits = self._fast_forward(batch, starts, new_slots)
                 # the rows the grouped layout would attend (the stat counts layouts, whichever kernel ran)
                 num_rows = len(batch) if all(item.group is None for item in batch) else len(attention_rows(batch))
@@ -197,12 +197,15 @@ class NativeEngine:
             return [logits]
         return list(logits.split([len(item.logits_at) for item in batch]))
 
-    def _fast_eligible(self, batch: Sequence[SeqInput], num_tokens: int) -> bool:
-        """The float32 fast path (specmesh/models/fastpath.py) serves this forward: at most MAX_ROWS new
-        tokens. One-sequence groups need no layout of their own there: each query reads its own sequence's
-        keys through its block table, the very keys (shared prefix, then its own region) that the grouped
-        layout's mask leaves it."""
-        return self.model.fast is not None and num_tokens <= fastpath.MAX_ROWS
+    def _fast_eligible(self, batch: Sequence[SeqInput], starts: list[int], num_tokens: int) -> bool:
+        """The float32 fast path (specmesh/models/fastpath.py) serves this forward (`fastpath.serves`: a few
+        rows, or a short prefill). One-sequence groups need no layout of their own there: each query reads its
+        own sequence's keys through its block table, the very keys (shared prefix, then its own region) that
+        the grouped layout's mask leaves it."""
+        if self.model.fast is None:
+            return False
+        return fastpath.serves(num_tokens, sum(len(item.token_ids) * (start + len(item.token_ids))
+                                               for item, start in zip(batch, starts)))
 
     def _fast_forward(self, batch: Sequence[SeqInput], starts: list[int], new_slots: list[int]) -> torch.Tensor:
         """fastpath.cpp's per-call layout (its header says it) for the batch, and the call."""
