@@ -52,10 +52,11 @@ class LauncherProcess:
         self.queue.put(None)
 
     def read_until(self, text: str, timeout_s: float = 120.0) -> list[str]:
-        """Consume lines until one contains `text`; AssertionError with the output and logs if the
-        launcher exits or `timeout_s` passes first."""
+        """Consume new lines until one contains `text` (a line read before never counts: the second
+        "verify-1 restarted" is a new line); AssertionError with the output and logs if the launcher
+        exits or `timeout_s` passes first."""
         deadline_s = time.monotonic() + timeout_s
-        while not self.lines or text not in self.lines[-1]:
+        while True:
             try:
                 line = self.queue.get(timeout=max(0.0, deadline_s - time.monotonic()))
             except queue.Empty:
@@ -63,7 +64,8 @@ class LauncherProcess:
             if line is None:
                 raise AssertionError(f"no {text!r} from the launcher:\n" + "".join(self.lines) + self.log_tails())
             self.lines.append(line)
-        return self.lines
+            if text in line:
+                return self.lines
 
     def poll_lines(self) -> list[str]:
         """The lines printed since the last call, without waiting."""
