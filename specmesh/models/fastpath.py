@@ -35,8 +35,7 @@ import torch
 SOURCE = Path(__file__).with_name("fastpath.cpp")
 ENV_FASTPATH = "SPECMESH_FASTPATH"  # "0": the torch path only
 MAX_ROWS = 32  # forwards of at most this many new tokens always take the fast path (decode, verify, batches)
-MAX_PREFILL_ROWS = 128  # ... and up to this many when their attention is short (below)
-MAX_ATTENTION_PAIRS = 32768  # (new token, key) pairs: beyond, the torch path's attention kernel wins
+MAX_MEAN_KEYS = 64  # longer ones when their rows see at most this many keys on average (`serves`)
 PANEL = 16  # outputs per packed weight panel (fastpath.cpp's PANEL)
 LAYER_FIELDS = 12  # fastpath.cpp's LAYER_FIELDS
 HEADER = ("n", "num_seqs", "max_blocks", "block_size", "num_logits", "tree_width", "cache_slots")
@@ -71,10 +70,12 @@ def library() -> ctypes.CDLL | None:
 
 def serves(num_rows: int, attention_pairs: int) -> bool:
     """Whether a forward of `num_rows` new tokens whose rows see `attention_pairs` keys in all takes the fast
-    path. Measured on the default model (2 cores): a 37-token prompt's prefill 186 ms on the torch path and
-    85-108 on this one, 64 tokens 247 and 157, 128 tokens 376 and 346, 256 tokens a tie, and 512 tokens
-    1.3 and 1.7 s (after 1536 cached tokens 2.2 and 5.4 s: the attention here is a plain loop over keys)."""
-    return num_rows <= MAX_ROWS or (num_rows <= MAX_PREFILL_ROWS and attention_pairs <= MAX_ATTENTION_PAIRS)
+    path: a few rows always; a prefill when its rows see few keys, since the matmuls here beat the torch
+    path's at any row count but the attention is a plain loop over keys. Measured on the default model
+    (2 cores, torch path vs this one): a 37-token prompt 186 vs 85-108 ms, 64 tokens 247 vs 157, 128 tokens
+    376 vs 346, 16 prompts of ~50 tokens (799 rows) 2.8-3.5 vs 2.1-2.7 s; 512 tokens 1.3 vs 1.7 s, and
+    512 after 1536 cached 2.2 vs 5.4 s."""
+    return num_rows <= MAX_ROWS or attention_pairs <= num_rows * MAX_MEAN_KEYS
 
 
 def eligible(config, dtype: torch.dtype, device: torch.device, kernel: str, has_quantized: bool) -> bool:

@@ -204,8 +204,8 @@ class NativeEngine:
         the grouped layout's mask leaves it."""
         if self.model.fast is None:
             return False
-        return fastpath.serves(num_tokens, sum(len(item.token_ids) * (start + len(item.token_ids))
-                                               for item, start in zip(batch, starts)))
+        return fastpath.serves(num_tokens, sum(len(item.token_ids) * (start + (len(item.token_ids) + 1) // 2)
+                                               for item, start in zip(batch, starts)))  # a chain's rows see half its new keys
 
     def _fast_forward(self, batch: Sequence[SeqInput], starts: list[int], new_slots: list[int]) -> torch.Tensor:
         """fastpath.cpp's per-call layout (its header says it) for the batch, and the call."""

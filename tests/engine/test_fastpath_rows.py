@@ -18,9 +18,9 @@ pytestmark = pytest.mark.skipif(fastpath.library() is None, reason="no C++ compi
 def _scenario(engine, use_fast: bool) -> list[torch.Tensor]:
     """Prefill, decode steps, a verify chain, a tree, a ragged batch and a one-sequence group; every
     forward's logits (through the fast path when on, the short prefill included; else the torch path)."""
-    saved = fastpath.MAX_ROWS, fastpath.MAX_PREFILL_ROWS
+    saved = fastpath.MAX_ROWS, fastpath.MAX_MEAN_KEYS
     if not use_fast:
-        fastpath.MAX_ROWS = fastpath.MAX_PREFILL_ROWS = 0
+        fastpath.MAX_ROWS = fastpath.MAX_MEAN_KEYS = 0
     try:
         out = []
         vocab = engine.vocab_size
@@ -45,7 +45,7 @@ def _scenario(engine, use_fast: bool) -> list[torch.Tensor]:
         assert engine.num_free_blocks == engine.cache.blocks.num_blocks
         return out
     finally:
-        fastpath.MAX_ROWS, fastpath.MAX_PREFILL_ROWS = saved
+        fastpath.MAX_ROWS, fastpath.MAX_MEAN_KEYS = saved
 
 
 @pytest.mark.parametrize("family", ["llama", "smollm2", "smollm2-d64", "llama3", "qwen2", "qwen3", "mistral-window"])
