@@ -11,8 +11,9 @@ multiply-adds with no horizontal sums: one row streams the weights at the memory
 sit beside the torch path's weights (long prefills use those): the fast path doubles a float32 model's memory.
 
 Used by `NativeEngine.forward` for a batch of at most `MAX_ROWS` new tokens (decode steps, verify chains and
-trees, a batch of sessions' rounds), and for short prefills (`serves`); longer forwards keep the torch path. Each row's numbers do not depend on the other rows or on the thread count (fastpath.cpp says how), so
-a verify forward gives bit for bit what one-token steps would: speculative decoding equals plain decoding.
+trees, a batch of sessions' rounds), and for short prefills (`serves`); longer forwards keep the torch path.
+Each row's numbers do not depend on the other rows or on the thread count (fastpath.cpp says how), so a
+verify forward gives bit for bit what one-token steps would: speculative decoding equals plain decoding.
 Float rounding differs from the torch path's in the last bits, as oneDNN's differs from MKL's.
 
 Eligible: float32 on the CPU, plain float weights (no low-bit layers: those keep their batch-invariant
