@@ -47,6 +47,11 @@ log = logging.getLogger("specmesh.coordinator")
 READ_AHEAD_RESPONSES = 8  # rounds a stream may run ahead of a slow client before it waits
 
 
+def is_final(response: coordinator_pb2.GenerateResponse) -> bool:
+    """The request's last response: the main stream's (branch -1) with a finish reason."""
+    return response.branch_id == -1 and response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(self, options: CoordinatorOptions, tokenizer, info: TargetInfo, verify: ServicePool, draft: ServicePool,
                  metrics: ServiceMetrics, cascade: CascadeStages | None = None, *,
@@ -138,10 +143,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                              "(no skeleton, no cascade)")
         params = sampling_from_pb(request.sampling, self.info.vocab_size, self.options.default_max_new_tokens)
         calls, failovers = self._calls(context), Failovers()
-        if mode == "skeleton":
-            source = self._skeleton(request, prompt_ids, params, calls, failovers, drafter_kind, choice.reason)
-        else:
-            source = self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers, encoder_ids)
+        source = self._answer(request, mode, drafter_kind, prompt_ids, params, calls, failovers, choice.reason, encoder_ids)
         responses = read_ahead(source, READ_AHEAD_RESPONSES)  # the next round runs while this one is written
         started_s = time.perf_counter()
         self.num_requests += 1
@@ -149,7 +151,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         finished = cancelled = False
         try:
             async for response in responses:
-                finished = response.branch_id == -1 and response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                finished = is_final(response)
                 if finished:
                     response.mode_choice.CopyFrom(coordinator_pb2.ModeChoice(mode=choice.pb_mode, reason=choice.reason,
                                                                              routed=choice.routed))
@@ -211,6 +213,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         finally:
             await stream.aclose()
 
+    def _answer(self, request: coordinator_pb2.GenerateRequest, mode: str, drafter_kind: str, prompt_ids: list[int],
+                params: SamplingParams, calls: Calls, failovers: Failovers, route_reason: str,
+                encoder_ids: Sequence[int] = ()) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
+        """The responses of `request` answered in `mode`: Skeleton-of-Thought, or one plain stream."""
+        if mode == "skeleton":
+            return self._skeleton(request, prompt_ids, params, calls, failovers, drafter_kind, route_reason)
+        return self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers, encoder_ids)
+
     def _measured(self, mode: str, started_s: float, final: coordinator_pb2.GenerateResponse) -> None:
         """A finished answer's wall time per answer token, for the SoT gate (plain: the mode auto runs instead)."""
         wall_ms = (time.perf_counter() - started_s) * 1e3
@@ -235,12 +245,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             params = sampling_from_pb(request.sampling, self.info.vocab_size, self.options.default_max_new_tokens)
             drafter_kind = self.options.default_drafter
             for mode in (PLAIN_MODE, "skeleton"):
-                calls, failovers, started_s = self._calls(None), Failovers(), time.perf_counter()
-                source = (self._skeleton(request, prompt_ids, params, calls, failovers, drafter_kind, "the start-up probe")
-                          if mode == "skeleton" else self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers))
+                started_s = time.perf_counter()
                 final = None
-                async for response in source:
-                    if response.branch_id == -1 and response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                async for response in self._answer(request, mode, drafter_kind, prompt_ids, params, self._calls(None),
+                                                   Failovers(), "the start-up probe"):
+                    if is_final(response):
                         final = response
                 if final is None:
                     raise RuntimeError(f"the {mode} answer did not finish")
