@@ -149,6 +149,20 @@ void gemv(const float *X, int64_t M, int64_t K, const float *Wp, const float *bi
     }
 }
 
+// o[0, 8C) = sum over j < count, in j's order, of p[j] * v[slots[j] * stride + (0, 8C)], then / total: C vectors
+// of a value row at a time, so each row is read once for all of them (C = 8: 64 values, in registers).
+template <int C>
+inline void weighted_values(const float *p, const int64_t *slots, int64_t count, const float *v, int64_t stride,
+                            float total, float *o) {
+    f32x8 acc[C] = {};
+    for (int64_t j = 0; j < count; j++) {
+        const f32x8 pj = splat(p[j]);
+        const float *row = v + slots[j] * stride;
+        for (int c = 0; c < C; c++) acc[c] += pj * load8(row + 8 * c);
+    }
+    for (int c = 0; c < C; c++) store8(o + 8 * c, acc[c] / splat(total));
+}
+
 // RMSNorm as transformers computes it in float32: w * (x * 1/sqrt(mean(x^2) + eps)).
 void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
     f32x8 acc{};
@@ -338,24 +352,10 @@ extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, f
                     // each output value: its keys' p_j v_j summed in key order; the keys outside, 64 values of a
                     // value row at a time inside, so a row of V is read once per head rather than once per 8
                     float *o = &att[r * H * D + (g * group + hh) * D];
-                    for (int64_t i0 = 0; i0 < D; i0 += 64) {
-                        if (D - i0 >= 64) {
-                            f32x8 acc[8] = {};
-                            for (int64_t j = 0; j < count; j++) {
-                                const f32x8 pj = splat(s[j]);
-                                const float *v = layer_v + (slots[j] * KVH + g) * D + i0;
-                                for (int c = 0; c < 8; c++) acc[c] += pj * load8(v + 8 * c);
-                            }
-                            for (int c = 0; c < 8; c++) store8(o + i0 + 8 * c, acc[c] / splat(total));
-                        } else {
-                            for (int64_t i = i0; i < D; i += 8) {
-                                f32x8 acc{};
-                                for (int64_t j = 0; j < count; j++)
-                                    acc += splat(s[j]) * load8(layer_v + (slots[j] * KVH + g) * D + i);
-                                store8(o + i, acc / splat(total));
-                            }
-                        }
-                    }
+                    const float *v = layer_v + g * D;
+                    int64_t i = 0;
+                    for (; i + 64 <= D; i += 64) weighted_values<8>(s, slots.data(), count, v, KVH * D, total, o + i);
+                    for (; i < D; i += 8) weighted_values<1>(s, slots.data(), count, v + i, KVH * D, total, o + i);
                 }
             }
             barrier.wait();
