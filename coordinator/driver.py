@@ -159,7 +159,9 @@ class FailoverVerifier:
                   ) -> AsyncIterator[tuple[int, VerifyOutcome, FinishReason | None, float]]:
         """Server-driven rounds (`AsyncRunner`). If the replica fails mid-stream, the session is
         re-opened elsewhere as in `verify` (its first token ends the round in flight, and counts as
-        one of `max_rounds`) and the rounds go on there."""
+        one of `max_rounds`) and the rounds go on there. A replica that fails after the last of
+        `max_rounds` landed (before its stream ended) has lost nothing: the rounds end, and the
+        caller's next call on the handle fails over."""
         left = max_rounds
         while True:
             rounds = handle.remote.run(handle.session_id, draft=draft, k=k, max_rounds=left,
@@ -173,6 +175,8 @@ class FailoverVerifier:
             except grpc.aio.AioRpcError as exc:
                 if not replica_failed(exc):
                     raise
+                if max_rounds and not left:
+                    return
                 reopened = await self._reopen(handle)
             finally:
                 await rounds.aclose()

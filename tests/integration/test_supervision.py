@@ -109,6 +109,16 @@ def _back_in_the_coordinator(coordinator: str, address: str, timeout_s: float) -
     return wait_for(lambda: asyncio.run(back()), timeout_s)
 
 
+def _all_healthy(coordinator: str, timeout_s: float) -> bool:
+    """Wait until the coordinator counts every Verify replica healthy."""
+    async def healthy() -> bool:
+        async with CoordinatorClient(coordinator) as client:
+            stats = await client.stats()
+        return bool(stats.replicas) and all(r.healthy for r in stats.replicas)
+
+    return wait_for(lambda: asyncio.run(healthy()), timeout_s)
+
+
 def _kill_and_check_back(launcher: LauncherProcess, reference: list[int], choose_victim) -> tuple[str, list[str]]:
     services = _services(launcher)
     coordinator = services["coordinator"][0]
@@ -167,6 +177,8 @@ def test_a_seeded_stream_keeps_its_tokens_when_its_replica_is_killed(launched):
 def test_a_drained_replica_stays_down_and_the_rest_serves(launched, reference):
     launched.poll_lines()  # a restart printed since the last test's read names the current pid
     services = _services(launched)
+    coordinator = services["coordinator"][0]
+    assert _all_healthy(coordinator, BACK_WITHIN_S), "a Verify replica is still out before the drain"
     try:
         os.kill(services["verify-1"][1], signal.SIGTERM)  # a drain: the process finishes and exits 0
     except ProcessLookupError:
@@ -176,7 +188,7 @@ def test_a_drained_replica_stays_down_and_the_rest_serves(launched, reference):
                              + "".join(launched.lines) + launched.log_tails()) from None
     launched.read_until("[launcher] verify-1 exited", timeout_s=30)
     assert "stays down: exit code 0; restart on-failure" in launched.lines[-1]
-    assert asyncio.run(_stream(services["coordinator"][0]))[0] == reference
+    assert asyncio.run(_stream(coordinator))[0] == reference
     assert launched.process.poll() is None  # the launcher serves on
 
 
