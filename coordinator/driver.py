@@ -131,6 +131,10 @@ class FailoverVerifier:
         replica, remote, session_id, first = await self._open_somewhere(self._prompt, params)
         return VerifyHandle(replica, remote, session_id, [first]), first
 
+    def opened_ms_per_token(self, handle: VerifyHandle) -> float | None:
+        """`CostReporter`: the one-token forward of the replica the session is on, as it reported."""
+        return handle.remote.opened_ms_per_token(handle.session_id)
+
     async def verify(self, handle: VerifyHandle, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
         try:
             outcome, finish = await self._send_verify(handle, proposal)
@@ -285,6 +289,10 @@ class FailoverDrafter:
                 raise
             self._fall_back(handle)
         return handle
+
+    def opened_ms_per_token(self, handle: DraftHandle) -> float | None:
+        """`CostReporter`: a draft token's cost on the Draft replica, as it reported (n-grams: not known)."""
+        return handle.remote_session.ms_per_token if handle.remote_session is not None else None
 
     async def propose(self, handle: DraftHandle, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         handle.context.extend(accepted_since_last)

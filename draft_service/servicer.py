@@ -154,7 +154,8 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             state = await self.engine_thread.run(self._open, prompt, encoder_input)
             session_id = await self.add_session(DraftSession(state, params, generator, params.seed,
                                                              len(prompt) + len(encoder_input)))
-        return draft_pb2.DraftOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=params.seed)
+        return draft_pb2.DraftOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=params.seed,
+                                                  ms_per_token=getattr(self.drafter, "ms_per_token", None))
 
     @rpc_method
     async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeResponse:

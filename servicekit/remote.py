@@ -75,6 +75,7 @@ class RemoteVerifier:
         self.sparse_q = sparse_q
         self.counters = counters or WireCounters()
         self._info = info  # known already (saves a GetInfo), or asked on first use
+        self.step_ms: float | None = None  # this replica's one-token forward, as its last OpenSession reported
         self._rounds: dict[str, int] = {}  # session -> rounds done
         self._forced: dict[str, list[int]] = {}  # session -> committed tokens its next Verify carries (lossy mode)
 
@@ -88,7 +89,12 @@ class RemoteVerifier:
         response = await self.stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(
             prompt_token_ids=list(prompt_ids), sampling=_token_level(params), encoder_input_ids=self.encoder_input_ids),
             timeout=self.timeout_s, metadata=self.metadata)
+        self.step_ms = response.step_ms if response.HasField("step_ms") else None
         return response.session_id, response.first_token_id
+
+    def opened_ms_per_token(self, session_id: str) -> float | None:
+        """`CostReporter`: the replica's one-token forward when the session opened."""
+        return self.step_ms
 
     async def commit(self, session_id: str, token_ids: Sequence[int]) -> None:
         """Lossy, opt-in: tokens the caller emitted without verification (an adaptive cascade's early
@@ -192,6 +198,7 @@ class RemoteDraftSession:
     session_id: str
     needs_q: bool  # standard sampling: the verifier needs the draft distributions (`SamplingParams.needs_q`)
     rounds: list[int] = field(default_factory=lambda: [0])  # Propose calls answered (mutable cell)
+    ms_per_token: float | None = None  # what a draft token cost on the service when the session opened
 
 
 class RemoteDrafter:
@@ -216,7 +223,12 @@ class RemoteDrafter:
         response = await self.stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
             prompt_token_ids=list(prompt_ids), sampling=_token_level(params), encoder_input_ids=self.encoder_input_ids),
             timeout=self.timeout_s, metadata=self.metadata)
-        return RemoteDraftSession(response.session_id, needs_q=params.needs_q)
+        return RemoteDraftSession(response.session_id, needs_q=params.needs_q,
+                                  ms_per_token=response.ms_per_token if response.HasField("ms_per_token") else None)
+
+    def opened_ms_per_token(self, session: RemoteDraftSession) -> float | None:
+        """`CostReporter`: what a draft token cost on the service when the session opened."""
+        return session.ms_per_token
 
     async def propose(self, session: RemoteDraftSession, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         request = draft_pb2.ProposeRequest(

@@ -220,7 +220,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             session_id = await self.add_session(session)
         return verify_pb2.VerifyOpenSessionResponse(session_id=session_id, first_token_id=target.pending_token_id,
                                                     ttl_ms=self.sessions.ttl_ms, seed=seed,
-                                                    finish_reason=FINISH_TO_PB[session.round.finish_reason])
+                                                    finish_reason=FINISH_TO_PB[session.round.finish_reason],
+                                                    step_ms=self.engine.stats.step_ms)
 
     async def _constraint(self, pb: verify_pb2.SkeletonConstraint, prompt: list[int]) -> GrammarConstraint:
         """The plan grammar for a new session, its state after the prompt's forced tokens."""

@@ -21,9 +21,9 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-from specmesh.decoding.adaptive import FixedK, KPolicy
+from specmesh.decoding.adaptive import AdaptiveK, FixedK, KPolicy
 from specmesh.decoding.plan import Plan
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, resolve_seed
@@ -87,6 +87,16 @@ class AsyncDrafter(Protocol):
     async def close(self, state: Any) -> None: ...
 
 
+@runtime_checkable
+class CostReporter(Protocol):
+    """Optional, on either side: what its session said, when it opened, a token costs there (ms; None:
+    not known yet). The drafter's draft token and the verifier's one-token step stand in as the
+    adaptive k policy's prior costs (`AdaptiveK.prior_costs`) before rounds measure them, as the
+    in-process loop's engines do, so a drafter that cannot pay is not run for a first round."""
+
+    def opened_ms_per_token(self, session: Any) -> float | None: ...
+
+
 async def speculative_stream_async(
     verifier: AsyncVerifier,
     drafter: AsyncDrafter | None,
@@ -134,6 +144,7 @@ async def speculative_stream_async(
         else:
             if drafter is not None:
                 draft_state = await drafter.open(prompt_ids, params)
+                _prior_costs(state, verifier, session, drafter, draft_state)
             rounds = _client_rounds(verifier, session, state, drafter, draft_state,
                                     plain_runs=plan is Plan.CLIENT_ROUNDS_PLAIN_RUNS)
         async with aclosing(rounds):
@@ -145,6 +156,12 @@ async def speculative_stream_async(
         await verifier.close(session)
         if drafter is not None and draft_state is not None:
             await drafter.close(draft_state)
+
+
+def _prior_costs(state: SpeculationState, verifier: Any, session: Any, drafter: Any, draft_state: Any) -> None:
+    """Both sides' `CostReporter` figures, if both have them, as the adaptive policy's prior."""
+    if isinstance(state.k_policy, AdaptiveK) and isinstance(verifier, CostReporter) and isinstance(drafter, CostReporter):
+        state.k_policy.prior_costs(drafter.opened_ms_per_token(draft_state), verifier.opened_ms_per_token(session))
 
 
 def _check_plan(plan: Plan, drafter: AsyncDrafter | None) -> None:

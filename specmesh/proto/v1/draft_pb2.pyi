@@ -60,23 +60,29 @@ class DraftOpenSessionResponse(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     ttl_ms: _builtins.int
     """the session expires after this long without a call"""
     seed: _builtins.int
     """the request seed the drafter's generator derives from (draft_seed(seed))"""
+    ms_per_token: _builtins.float
+    """what a draft token costs on this service now (its one-token forward,"""
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         ttl_ms: _builtins.int = ...,
         seed: _builtins.int = ...,
+        ms_per_token: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "ms_per_token", b"ms_per_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["seed", b"seed", "session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "ms_per_token", b"ms_per_token", "seed", b"seed", "session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__ms_per_token: _TypeAlias = _typing.Literal["ms_per_token"]  # noqa: Y015
+    _WhichOneofArgType__ms_per_token: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ms_per_token) -> _WhichOneofReturnType__ms_per_token | None: ...
 
 Global___DraftOpenSessionResponse: _TypeAlias = DraftOpenSessionResponse  # noqa: Y015
 

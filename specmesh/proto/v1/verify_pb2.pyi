@@ -111,6 +111,7 @@ class VerifyOpenSessionResponse(_message.Message):
     TTL_MS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
+    STEP_MS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     first_token_id: _builtins.int
     """the target's token after the prompt"""
@@ -119,6 +120,10 @@ class VerifyOpenSessionResponse(_message.Message):
     """the target generator's seed (the server's pick when none was set)"""
     finish_reason: _common_pb2.FinishReason.ValueType
     """set when the first token already finished the session"""
+    step_ms: _builtins.float
+    """(EOS, max_new_tokens = 1, a full context): rounds are refused
+    this replica's one-token forward now (recent average); unset until
+    """
     def __init__(
         self,
         *,
@@ -127,12 +132,15 @@ class VerifyOpenSessionResponse(_message.Message):
         ttl_ms: _builtins.int = ...,
         seed: _builtins.int = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
+        step_ms: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_step_ms", b"_step_ms", "step_ms", b"step_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "seed", b"seed", "session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step_ms", b"_step_ms", "finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "seed", b"seed", "session_id", b"session_id", "step_ms", b"step_ms", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__step_ms: _TypeAlias = _typing.Literal["step_ms"]  # noqa: Y015
+    _WhichOneofArgType__step_ms: _TypeAlias = _typing.Literal["_step_ms", b"_step_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step_ms) -> _WhichOneofReturnType__step_ms | None: ...
 
 Global___VerifyOpenSessionResponse: _TypeAlias = VerifyOpenSessionResponse  # noqa: Y015
 

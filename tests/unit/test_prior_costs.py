@@ -1,0 +1,122 @@
+"""The asyncio driver takes the costs both sides reported when their sessions opened (`CostReporter`:
+the Draft service's ms per draft token, the Verify replica's one-token step) as the adaptive k
+policy's prior, as the in-process loop takes its engines': a drafter slower than the target step is
+never asked for a draft, one that is cheap drafts from the first round, and without the reports the
+first round drafts at the policy's initial k as before."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specmesh.decoding.adaptive import AdaptiveK
+from specmesh.decoding.async_driver import TargetInfo, generate_async
+from specmesh.decoding.proposal import DraftProposal
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.types import FinalTokenKind, VerifyOutcome
+
+VOCAB = 50
+
+
+def _next(token: int) -> int:
+    return (token * 7 + 3) % VOCAB
+
+
+class CountingTarget:
+    """A target whose token after t is `_next(t)`; its step costs `step_ms` as reported at open."""
+
+    def __init__(self, step_ms: float | None):
+        self.step_ms = step_ms
+
+    async def info(self) -> TargetInfo:
+        return TargetInfo(vocab_size=VOCAB, max_context=512, eos_token_ids=())
+
+    async def open(self, prompt_ids, params):
+        return [_next(prompt_ids[-1])], _next(prompt_ids[-1])
+
+    async def verify(self, session, proposal: DraftProposal):
+        accepted = []
+        for token in proposal.token_ids:
+            if token != _next(session[-1]):
+                break
+            accepted.append(token)
+            session.append(token)
+        final = _next(session[-1])
+        session.append(final)
+        return VerifyOutcome(list(range(len(accepted))), accepted, final, FinalTokenKind.BONUS), None
+
+    async def commit(self, session, token_ids):
+        raise AssertionError("no lossy cascade here")
+
+    async def close(self, session):
+        pass
+
+
+class ReportingTarget(CountingTarget):
+    def opened_ms_per_token(self, session) -> float | None:
+        return self.step_ms
+
+
+class OracleDrafter:
+    """Drafts the target's own tokens; records the k of every proposal."""
+
+    def __init__(self, ms_per_token: float | None):
+        self.ms_per_token = ms_per_token
+        self.asked: list[int] = []
+
+    async def open(self, prompt_ids, params):
+        return list(prompt_ids)
+
+    async def propose(self, context, accepted_since_last, max_tokens):
+        context.extend(accepted_since_last)
+        self.asked.append(max_tokens)
+        tokens, last = [], context[-1]
+        for _ in range(max_tokens):
+            last = _next(last)
+            tokens.append(last)
+        return DraftProposal(token_ids=tokens)
+
+    async def close(self, context):
+        pass
+
+
+class ReportingDrafter(OracleDrafter):
+    def opened_ms_per_token(self, context) -> float | None:
+        return self.ms_per_token
+
+
+def _generate(target, drafter) -> list[int]:
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    events = asyncio.run(generate_async(target, drafter, [1, 2, 3], params, k_policy=AdaptiveK()))
+    return [t for event in events for t in event.token_ids]
+
+
+def _expected() -> list[int]:
+    tokens, last = [], 3
+    for _ in range(24):
+        last = _next(last)
+        tokens.append(last)
+    return tokens
+
+
+def test_a_drafter_slower_than_the_target_step_is_never_asked_for_a_draft():
+    drafter = ReportingDrafter(ms_per_token=60.0)
+    assert _generate(ReportingTarget(step_ms=28.0), drafter) == _expected()
+    assert not any(drafter.asked)  # no draft token in any round (no probe either: it could not pay)
+
+
+def test_a_cheap_drafter_drafts_from_the_first_round():
+    drafter = ReportingDrafter(ms_per_token=0.5)
+    assert _generate(ReportingTarget(step_ms=28.0), drafter) == _expected()
+    assert drafter.asked[0] > 0
+
+
+@pytest.mark.parametrize("target, drafter", [
+    (CountingTarget(step_ms=28.0), ReportingDrafter(ms_per_token=60.0)),  # one side does not report
+    (ReportingTarget(step_ms=None), ReportingDrafter(ms_per_token=60.0)),  # a side that has not measured yet
+    (ReportingTarget(step_ms=28.0), OracleDrafter(ms_per_token=60.0)),
+])
+def test_without_both_reports_the_first_round_drafts_at_the_initial_k(target, drafter):
+    assert _generate(target, drafter) == _expected()
+    assert drafter.asked[0] == AdaptiveK().k_init
