@@ -19,6 +19,7 @@ from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import PromptLookupDrafter
 from specmesh.models.chat import chat_prompt_ids
 from specmesh.models.encdec import bind_encoder_input, is_encoder_decoder
+from specmesh.models.engine import measure_step
 from specmesh.models.load import load_engine
 from specmesh.models.pairing import check_draft_compatible
 from specmesh.models.resolve import resolve_model_spec
@@ -38,13 +39,15 @@ class LocalGenerator:
         self.engine = load_engine(folder, dtype=dtype, device=device, quantize=quantize or None)
         self.verifier = TargetVerifier(self.engine)
         self.drafter_name = drafter
-        self._draft_engine = None
+        self.draft_engine = None  # the model drafter's engine (bf16, int8), if any
         if drafter == "bf16":
-            self._draft_engine = load_engine(folder, dtype="bfloat16", device=device)
+            self.draft_engine = load_engine(folder, dtype="bfloat16", device=device)
         elif drafter == "int8":
-            self._draft_engine = load_engine(folder, dtype="float32", quantize="int8")
-        if self._draft_engine is not None:
-            check_draft_compatible(self.engine, self._draft_engine)
+            self.draft_engine = load_engine(folder, dtype="float32", quantize="int8")
+        if self.draft_engine is not None:
+            check_draft_compatible(self.engine, self.draft_engine)
+            for engine in (self.engine, self.draft_engine):  # the costs that decide, before the first round,
+                measure_step(engine)                          # whether this drafter can pay here
         self.last_stats: SpecStats | None = None
         self.last_token_ids: list[int] = []  # the last generation's tokens, and why it ended (a FinishReason value)
         self.last_finish_reason: str | None = None
@@ -56,7 +59,7 @@ class LocalGenerator:
         if name == "ngram":
             return PromptLookupDrafter(min_n=1, max_n=4)
         if name in ("bf16", "int8"):
-            return ModelDrafter(self._draft_engine)
+            return ModelDrafter(self.draft_engine)
         return None
 
     def stream_text(self, prompt: str, params: SamplingParams, num_draft_tokens: int = 0,

@@ -14,11 +14,13 @@ def resolve_folder(spec: str) -> str:
 
 def load_service_engine(options: ModelOptions, model: str | None = None):
     """(engine, resolved folder) for options.model (or `model`) on options.device / dtype."""
+    from specmesh.models.engine import measure_step
     from specmesh.models.load import load_engine
 
     folder = resolve_folder(model or options.model)
     engine = load_engine(folder, backend=options.backend, dtype=options.dtype, device=options.device,
                          max_kv_tokens=options.max_kv_tokens, quantize=options.quantize or None)
+    measure_step(engine)  # what a token costs here, reported when sessions open (the callers' k policy prior)
     return engine, folder
 
 

@@ -26,6 +26,7 @@ def build_fused_drafter(options: VerifyOptions, target=None, target_folder: str 
         return NgramStoreDrafter()
     if options.fused_drafter == "model":
         from servicekit.model import resolve_folder
+        from specmesh.models.engine import measure_step
         from specmesh.models.load import load_engine
         from specmesh.models.pairing import check_draft_compatible
 
@@ -33,6 +34,7 @@ def build_fused_drafter(options: VerifyOptions, target=None, target_folder: str 
         engine = load_engine(folder, dtype=options.fused_drafter_dtype, device=options.device, max_kv_tokens=options.max_kv_tokens)
         if target is not None:
             check_draft_compatible(target, engine, target_folder, folder)
+        measure_step(engine)  # fused rounds' k policy prior: what a draft token costs here
         return ModelDrafter(engine)
     return None
 

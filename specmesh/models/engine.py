@@ -34,6 +34,7 @@ the numbers a member gets.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -122,3 +123,25 @@ class Engine(Protocol):
     def forward(self, batch: Sequence[SeqInput]) -> list[torch.Tensor]:
         """One forward over a ragged batch; returns per input float32 logits [len(logits_at), vocab]."""
         ...
+
+
+def measure_step(engine: Engine, num_steps: int = 3) -> float | None:
+    """Time `num_steps` one-token forwards of a scratch sequence (freed after; the first, which may
+    pay one-off set-up, is not timed) so `engine.stats.step_ms` is known before the first
+    generation: the prior that lets a k policy skip a drafter that cannot pay here from its first
+    round (`AdaptiveK.prior_costs`). The scratch forwards are not counted in the other stats. None
+    for a backend that does not time its steps."""
+    if engine.backend != "native":
+        return None
+    kept = dataclasses.replace(engine.stats)
+    seq_id = engine.new_sequence()
+    try:
+        for i in range(num_steps + 1):
+            engine.forward([SeqInput(seq_id, [0], logits_at=[0])])
+            if i == 0:
+                engine.stats.step_ms = kept.step_ms
+    finally:
+        engine.free(seq_id)
+    for name in (f.name for f in dataclasses.fields(kept) if f.name != "step_ms"):
+        setattr(engine.stats, name, getattr(kept, name))
+    return engine.stats.step_ms

@@ -70,7 +70,9 @@ def _services(launcher: LauncherProcess) -> dict[str, tuple[str, int]]:
 
 async def _stream(coordinator: str, kill_after: int = 0, kill=None, *, mode: int = coordinator_pb2.GENERATION_MODE_SPECULATIVE,
                   **sampling) -> tuple[list[int], coordinator_pb2.GenerateResponse]:
-    request = coordinator_pb2.GenerateRequest(prompt=PROMPT, mode=mode, drafter="service" if mode == coordinator_pb2.GENERATION_MODE_SPECULATIVE else "",
+    speculative = mode == coordinator_pb2.GENERATION_MODE_SPECULATIVE  # k fixed: every round drafts with the Draft service
+    request = coordinator_pb2.GenerateRequest(prompt=PROMPT, mode=mode, drafter="service" if speculative else "",
+                                              num_draft_tokens=4 if speculative else 0,
                                               sampling=common_pb2.SamplingParams(**{
                                                   "temperature": 0, "ignore_eos": True, "max_new_tokens": MAX_NEW_TOKENS, **sampling}))
     async with grpc.aio.insecure_channel(coordinator) as channel:

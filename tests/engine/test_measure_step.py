@@ -1,0 +1,41 @@
+"""`measure_step`: a freshly loaded engine learns what a one-token forward costs before any generation
+(the prior a k policy needs to skip a drafter that cannot pay from its first round), without a trace
+in its KV pool or in the counters a generation's stats read."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specmesh.decoding.adaptive import AdaptiveK
+from specmesh.decoding.sampling import SamplingParams
+from specmesh.decoding.speculative import generate
+from specmesh.decoding.verifier import TargetVerifier
+from specmesh.drafters.model import ModelDrafter
+from specmesh.models.engine import measure_step
+from specmesh.models.load import load_engine
+
+
+def test_a_fresh_engine_knows_its_step_and_keeps_no_trace(tiny_model_dir):
+    engine = load_engine(tiny_model_dir("llama"), dtype="float64")
+    before, free = dataclasses.replace(engine.stats), engine.kv_usage().free_blocks
+    assert before.step_ms is None
+    step_ms = measure_step(engine)
+    assert step_ms is not None and step_ms > 0 and engine.stats.step_ms == step_ms
+    assert dataclasses.replace(engine.stats, step_ms=None) == before  # no forward counted
+    assert engine.kv_usage().free_blocks == free
+
+
+def test_an_hf_engine_is_left_as_it_is(tiny_model_dir):
+    engine = load_engine(tiny_model_dir("llama"), backend="hf", dtype="float64")
+    assert measure_step(engine) is None and engine.stats.step_ms is None
+
+
+def test_with_measured_steps_a_drafter_slower_than_the_target_is_not_run_in_the_first_round(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    target, draft = load_engine(folder, dtype="float64"), load_engine(folder, dtype="float64")
+    measure_step(target)
+    measure_step(draft)
+    draft.stats.step_ms = 10 * target.stats.step_ms  # as a bf16 self-draft on a CPU without bf16 kernels
+    result = generate(TargetVerifier(target), ModelDrafter(draft), [1, 2, 3],
+                      SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True), k_policy=AdaptiveK())
+    assert len(result.token_ids) == 12 and not any(event.num_draft_tokens for event in result.events)
