@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -9,6 +11,13 @@ import torch
 # service processes) every OpenMP barrier waits for a descheduled sibling thread (measured: a tiny
 # decode step 16 ms with 2 threads, 0.4 ms with 1).
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """SPECMESH_TEST_ORDER=reverse runs the tests in reverse order (`tests/isolation.py`): a test that
+    needs what an earlier one left behind fails there."""
+    if os.environ.get("SPECMESH_TEST_ORDER") == "reverse":
+        items.reverse()
 
 
 @pytest.fixture(scope="session")
