@@ -6,6 +6,7 @@ cluster config rules (replicas, ports, threads, options per kind) without proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -84,10 +85,10 @@ def test_shipped_configs_load_with_a_coordinator(path):
     assert all(s.torch_threads >= 1 for s in specs)
 
 
-@pytest.fixture(scope="module")
-def launched(tiny_model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("run-cluster")
-    target = str(tiny_model_dir("llama", init_std=0.2))
+@contextlib.contextmanager
+def _run_cluster(target: str, folder):
+    """`python -m client.cluster` on a config of two Verify replicas, a coordinator and a gateway:
+    (launcher, name -> (kind, address, pid, line)); stopped at exit if still running."""
     config = write_config(folder / "cluster.yaml", defaults={"model": target, "device": "cpu", "dtype": "float64", "port": 0,
                                                              "cpus": "auto"}, services={
         "verify": {"kind": "verify", "replicas": 2, "metrics_port": 0, "fused_drafter": "ngram", "torch_threads": 1},
@@ -97,8 +98,7 @@ def launched(tiny_model_dir, tmp_path_factory):
     launcher = LauncherProcess(config, folder)
     try:
         launcher.read_until("serving; Ctrl-C to stop")
-        services = {m[1]: (m[2], m[3], int(m[4]), m[5]) for m in (LISTENING.match(line) for line in launcher.lines) if m}
-        yield launcher, services, target
+        yield launcher, {m[1]: (m[2], m[3], int(m[4]), m[5]) for m in (LISTENING.match(line) for line in launcher.lines) if m}
     finally:
         if launcher.process.poll() is None:  # a failed test: stop the services too, not only the launcher
             launcher.process.send_signal(signal.SIGINT)
@@ -107,6 +107,17 @@ def launched(tiny_model_dir, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 launcher.process.kill()
                 launcher.process.wait()
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return str(tiny_model_dir("llama", init_std=0.2))
+
+
+@pytest.fixture(scope="module")
+def launched(target, tmp_path_factory):
+    with _run_cluster(target, tmp_path_factory.mktemp("run-cluster")) as (launcher, services):
+        yield launcher, services, target
 
 
 def test_run_cluster_prints_every_process_and_a_sample_command(launched):
@@ -186,11 +197,11 @@ def test_the_gateway_is_started_linked_to_the_coordinator(launched):
     assert any(f"http://{address}/v1" in line for line in launcher.lines)
 
 
-def test_ctrl_c_stops_every_process(launched):
-    launcher, services, _ = launched
-    launcher.process.send_signal(signal.SIGINT)
-    assert launcher.process.wait(90) == 0  # the launcher SIGKILLs what has not stopped 15 s after SIGTERM
-    assert "stopping" in launcher.rest()
-    for _, _, pid, _ in services.values():
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+def test_ctrl_c_stops_every_process(target, tmp_path):
+    with _run_cluster(target, tmp_path) as (launcher, services):  # a cluster of its own: it stops it
+        launcher.process.send_signal(signal.SIGINT)
+        assert launcher.process.wait(90) == 0  # the launcher SIGKILLs what has not stopped 15 s after SIGTERM
+        assert "stopping" in launcher.rest()
+        for _, _, pid, _ in services.values():
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)

@@ -145,8 +145,10 @@ def test_openai_client_completions_equal_target_only_greedy(cluster, engine, tok
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(prompt_ids), 40, len(prompt_ids) + 40)
     stats = usage.specmesh  # extra fields of OpenAI's usage object
     assert stats["num_target_forwards"] > 0 and stats["verify_ms"] > 0 and stats["num_failovers"] == 0
-    if specmesh["mode"] != "autoregressive":
-        assert stats["num_draft_tokens"] > 0 and stats["mean_accepted_length"] >= 1
+    if "k" in specmesh:  # a fixed k drafts every round (adaptive k may find, from the service's measured costs, that none pays)
+        assert stats["num_draft_tokens"] > 0
+    if stats["num_draft_tokens"]:
+        assert stats["mean_accepted_length"] >= 1
         assert stats["acceptance_rate"] == pytest.approx(stats["num_accepted_tokens"] / stats["num_draft_tokens"])
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
                                        stream_options={"include_usage": True}, extra_body=extra)

@@ -8,6 +8,7 @@ down under `restart: on-failure` while the rest keeps serving. Also the restart 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -40,9 +41,9 @@ def reference(target):
     return target_only_greedy(target, PROMPT, MAX_NEW_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def launched(target, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("supervised")
+@contextlib.contextmanager
+def _supervised(target: str, folder):
+    """`python -m client.cluster`: a Draft, two Verify replicas and a coordinator, restart on-failure."""
     config = folder / "cluster.yaml"
     config.write_text(yaml.safe_dump({"defaults": {"model": target, "dtype": "float64", "port": 0}, "services": {
         "draft": {"kind": "draft", "drafter": "model", "torch_threads": 1},
@@ -61,6 +62,12 @@ def launched(target, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 launcher.process.kill()
                 launcher.process.wait()
+
+
+@pytest.fixture(scope="module")
+def launched(target, tmp_path_factory):
+    with _supervised(target, tmp_path_factory.mktemp("supervised")) as launcher:
+        yield launcher
 
 
 def _services(launcher: LauncherProcess) -> dict[str, tuple[str, int]]:
@@ -176,11 +183,15 @@ def test_a_seeded_stream_keeps_its_tokens_when_its_replica_is_killed(launched):
     assert _back_in_the_coordinator(coordinator, _services(launched)[victim[0]][0], BACK_WITHIN_S)
 
 
-def test_a_drained_replica_stays_down_and_the_rest_serves(launched, reference):
-    launched.poll_lines()  # a restart printed since the last test's read names the current pid
+def test_a_drained_replica_stays_down_and_the_rest_serves(target, reference, tmp_path):
+    with _supervised(target, tmp_path) as launched:  # a cluster of its own: the drained replica stays down
+        _drain_one(launched, reference)
+
+
+def _drain_one(launched: LauncherProcess, reference: list[int]) -> None:
     services = _services(launched)
     coordinator = services["coordinator"][0]
-    assert _all_healthy(coordinator, BACK_WITHIN_S), "a Verify replica is still out before the drain"
+    assert _all_healthy(coordinator, BACK_WITHIN_S), "a replica is not healthy before the drain"
     try:
         os.kill(services["verify-1"][1], signal.SIGTERM)  # a drain: the process finishes and exits 0
     except ProcessLookupError:
