@@ -24,10 +24,14 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        scratch_blocks: int = 0,
     ):
+        """scratch_blocks: blocks after the manager's `num_blocks`, never given to a sequence (blocks
+        `scratch_block` ... on): fixed-shape steps write their padding rows there (specmesh/models/graphs.py)."""
         self.blocks = BlockManager(num_blocks, block_size)
         self.block_size = block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.scratch_block = num_blocks
+        shape = (num_layers, (num_blocks + scratch_blocks) * block_size, num_kv_heads, head_dim)
         # empty, not zeros: pages are only touched once tokens are written
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)

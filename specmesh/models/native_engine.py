@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from specmesh.kv.cache import PagedKVCache
-from specmesh.models import fastpath
+from specmesh.models import fastpath, graphs
 from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, NO_PARENT, ContextLengthError, EngineStats, KvUsage, SeqInput
 from specmesh.models.llama import AttentionBatch, LlamaFamilyModel
 
@@ -115,10 +115,14 @@ class NativeEngine:
         self.dtype = model.dtype
         self.stats = EngineStats()
         num_blocks = max(1, -(-max_kv_tokens // block_size))
-        self.cache = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, model.dtype, model.device)
+        self.cache = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, model.dtype, model.device,
+                                  scratch_blocks=graphs.scratch_blocks(block_size))
         self._windows = sorted(set(c.sliding_windows), key=lambda w: -1 if w is None else w)
         self._last_forward: dict[int, tuple[int, list[int] | None, int]] = {}  # seq -> (start, parents, num_new)
         self.split_attention = True  # decode rows attended apart from multi-token ones (`_splits`); off: one padded batch
+        # decode rows and verify chains as replayed CUDA graphs (specmesh/models/graphs.py); off: every forward eager
+        self.cuda_graphs = self.device.type == "cuda" and graphs.model_supported(model)
+        self.step_graphs = graphs.StepGraphs(self, capture=True) if self.cuda_graphs else None
 
     # sequences
     def new_sequence(self) -> int:
@@ -172,7 +176,10 @@ class NativeEngine:
             for item in batch:
                 new_slots += self.cache.append(item.seq_id, len(item.token_ids))
                 appended += 1
-            if self._fast_eligible(batch, starts, len(new_slots)):
+            if self.cuda_graphs and self.step_graphs is not None and graphs.step_shape(batch) is not None:
+                logits = self.step_graphs.forward(batch, starts, new_slots)
+                num_rows = len(batch)
+            elif self._fast_eligible(batch, starts, len(new_slots)):
                 logits = self._fast_forward(batch, starts, new_slots)
                 # the rows the grouped layout would attend (the stat counts layouts, whichever kernel ran)
                 num_rows = len(batch) if all(item.group is None for item in batch) else len(attention_rows(batch))
