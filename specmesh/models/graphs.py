@@ -40,9 +40,10 @@ MAX_ROWS = 2048  # padded rows of one step: the float32 logits of 2048 rows x 12
 
 
 def model_supported(model) -> bool:
-    """Whether the model's forward has a fixed-shape form: full attention in every layer, plain weights."""
-    return (not model.invariant_attention and not isinstance(model.embed, QuantWeight)
-            and all(window is None for window in model.config.sliding_windows))
+    """Whether the model's forward has a fixed-shape form: full attention in every layer, plain weights,
+    a dtype the kernels take (float64 stays eager)."""
+    return (model.dtype in (torch.float32, torch.bfloat16, torch.float16) and not model.invariant_attention
+            and not isinstance(model.embed, QuantWeight) and all(window is None for window in model.config.sliding_windows))
 
 
 def scratch_blocks(block_size: int) -> int:

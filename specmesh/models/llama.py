@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from specmesh.kv.cache import PagedKVCache
 from specmesh.models import fastpath
 from specmesh.models.config import LlamaFamilyConfig
+from specmesh.models.fused import add_rms_norm, rms_norm, rope_and_write, silu_mul
 from specmesh.models.linear import ConcatLinear, Linear, fused_linear, make_linear
 from specmesh.models.lowbit.kernel import invariant_attention
 from specmesh.models.lowbit.qlinear import QuantLinear
@@ -57,12 +58,6 @@ class DecoderLayer:
     gate_up: Linear | QuantLinear | ConcatLinear  # hidden -> 2 * intermediate
     down: Linear | QuantLinear  # intermediate -> hidden
     sliding_window: int | None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in at least float32, cast back, then scale."""
-    compute = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    return weight * F.rms_norm(compute, compute.shape[-1:], None, eps).to(x.dtype)
 
 
 class LlamaFamilyModel:
@@ -139,28 +134,14 @@ class LlamaFamilyModel:
 
     def forward(self, token_ids: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache, logits_rows: torch.Tensor) -> torch.Tensor:
         """token_ids: [N] -> float32 logits [len(logits_rows), vocab] of the packed rows `logits_rows`."""
-        return self._decode(token_ids, batch.positions, batch.new_slots, cache, logits_rows,
-                            lambda index, q, window: self._attention(index, q, batch, cache, window))
-
-    def forward_paged(self, token_ids: torch.Tensor, positions: torch.Tensor, new_slots: torch.Tensor,
-                      paged: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
-        """The fixed-shape step (specmesh/models/graphs.py): token_ids [B * T] -> float32 logits [B * T, vocab],
-        attention read in place through the block table (`paged_attention`); no sliding windows."""
-        return self._decode(token_ids, positions, new_slots, cache, None,
-                            lambda index, q, window: paged_attention(q, cache.k[index], cache.v[index], paged, self.scale))
-
-    def _decode(self, token_ids: torch.Tensor, positions: torch.Tensor, new_slots: torch.Tensor, cache: PagedKVCache,
-                logits_rows: torch.Tensor | None, attend) -> torch.Tensor:
-        """The layers over packed rows; `attend(layer index, q [N, heads, head_dim], window)` -> [N, heads * head_dim]
-        once the rows' K/V are written; logits of `logits_rows` (None: every row)."""
         c = self.config
         num_tokens = token_ids.shape[0]
         if isinstance(self.embed, QuantWeight):
             x = self.embed.dequantize(token_ids)  # [N, hidden]
         else:
             x = F.embedding(token_ids, self.embed)  # [N, hidden]
-        cos = self.cos[positions].unsqueeze(1)  # [N, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+        cos = self.cos[batch.positions].unsqueeze(1)  # [N, 1, head_dim]
+        sin = self.sin[batch.positions].unsqueeze(1)
         num_qk_heads = c.num_heads + c.num_kv_heads
         eps = c.rms_norm_eps
         for index, layer in enumerate(self.layers):
@@ -171,14 +152,38 @@ class LlamaFamilyModel:
                 qk = rms_norm(qk, layer.qk_norm, eps)
             qk = apply_rope(qk, cos, sin)
             q, k, v = qk[:, : c.num_heads], qk[:, c.num_heads :], qkv[:, num_qk_heads:]
-            cache.write(index, new_slots, k, v)
-            x = x + layer.o(attend(index, q, layer.sliding_window))
+            cache.write(index, batch.new_slots, k, v)
+            attn = self._attention(index, q, batch, cache, layer.sliding_window)
+            x = x + layer.o(attn)
             h = rms_norm(x, layer.post_norm, eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        if logits_rows is not None:
-            x = x.index_select(0, logits_rows)
-        return self.lm_head(rms_norm(x, self.final_norm, eps)).float()
+        h = rms_norm(x.index_select(0, logits_rows), self.final_norm, eps)
+        return self.lm_head(h).float()
+
+    def forward_paged(self, token_ids: torch.Tensor, positions: torch.Tensor, new_slots: torch.Tensor,
+                      paged: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
+        """The fixed-shape step (specmesh/models/graphs.py): token_ids [B * T] -> float32 logits [B * T, vocab].
+        The layers of `forward` with attention read in place through the block table (`paged_attention`) and
+        the elementwise work fused (specmesh/models/fused.py); plain weights, no sliding windows."""
+        c = self.config
+        num_tokens = token_ids.shape[0]
+        x = F.embedding(token_ids, self.embed)  # [N, hidden]
+        num_qk_heads = c.num_heads + c.num_kv_heads
+        eps = c.rms_norm_eps
+        delta = None  # what the last layer adds to x
+        for index, layer in enumerate(self.layers):
+            x, h = add_rms_norm(x, delta, layer.input_norm, eps)
+            qkv = layer.qkv(h).view(num_tokens, num_qk_heads + c.num_kv_heads, c.head_dim)
+            qk = qkv[:, :num_qk_heads]
+            if layer.qk_norm is not None:
+                qk = rms_norm(qk, layer.qk_norm, eps)
+            k_cache, v_cache = cache.k[index], cache.v[index]
+            q = rope_and_write(qk, qkv[:, num_qk_heads:], self.cos, self.sin, positions, k_cache, v_cache, new_slots,
+                               c.num_heads)
+            x, h = add_rms_norm(x, layer.o(paged_attention(q, k_cache, v_cache, paged, self.scale)), layer.post_norm, eps)
+            delta = layer.down(silu_mul(layer.gate_up(h)))
+        return self.lm_head(add_rms_norm(x, delta, self.final_norm, eps)[1]).float()
 
     def _attention(self, layer_index: int, q: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache,
                    window: int | None) -> torch.Tensor:

@@ -199,6 +199,8 @@ class NativeEngine:
         self.stats.num_tokens_forwarded += len(new_slots)
         self.stats.num_attention_rows += num_rows
         if len(new_slots) == 1:
+            if self.device.type == "cuda":  # the step's kernels run after this returns: time them, not their launch
+                torch.cuda.synchronize(self.device)
             self.stats.record_step((time.perf_counter() - begin) * 1e3)
         if len(batch) == 1:
             return [logits]

@@ -68,8 +68,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
                     scale: float) -> torch.Tensor:
-    """The Triton kernel on CUDA (or under TRITON_INTERPRET=1), else the reference."""
-    if triton_available() and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    """The Triton kernel on CUDA (or under TRITON_INTERPRET=1; not float64), else the reference."""
+    if q.dtype != torch.float64 and triton_available() and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         from specmesh.models.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, batch, scale)

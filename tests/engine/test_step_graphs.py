@@ -75,6 +75,22 @@ def test_ragged_steps_match_the_eager_forward(engines):
     assert static.step_graphs.num_captured == 0
 
 
+def test_float32_steps_match_the_eager_forward(folder):
+    """In float32 the static step takes the kernels' dtype: under TRITON_INTERPRET its attention and fused
+    elementwise work are the Triton kernels themselves."""
+    eager = load_engine(folder, dtype="float32", max_kv_tokens=1024, block_size=4)
+    static = with_static_step(load_engine(folder, dtype="float32", max_kv_tokens=1024, block_size=4))
+    ids = [random_ids(eager.vocab_size, 20, seed=s) for s in range(2)]
+    chunks = [[(0, ids[0][:9]), (1, ids[1][:3])], [(0, ids[0][9:10]), (1, ids[1][3:8])], [(0, ids[0][10:11])]]
+    got = forward_chunks(static, [static.new_sequence() for _ in range(2)], chunks)
+    want = forward_chunks(eager, [eager.new_sequence() for _ in range(2)], chunks)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=16)
+    assert (generate(TargetVerifier(static), PromptLookupDrafter(min_n=1, max_n=3), PROMPTS[0], params).token_ids
+            == generate(TargetVerifier(eager), None, PROMPTS[0], params).token_ids)
+
+
 def test_the_static_step_writes_only_its_own_slots(engines, folder):
     """Padding rows go to the scratch blocks: every sequence's KV equals the eager engine's, and no block leaks."""
     eager, static = engines
@@ -169,6 +185,46 @@ def test_triton_kernel_matches_the_reference(shape):
     torch.testing.assert_close(got, paged_attention_reference(q, k, v, batch, shape[2] ** -0.5), atol=1e-5, rtol=1e-5)
 
 
+def fused_cases(dtype, device):
+    generator = torch.Generator().manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
+
+    num_tokens, heads, kv_heads, head_dim = 5, 4, 2, 16
+    x, delta, weight = rand(num_tokens, 96), rand(num_tokens, 96), rand(96)
+    yield "add_rms_norm", (x, delta, weight, 1e-5)
+    yield "add_rms_norm", (x, None, weight, 1e-5)
+    qkv = rand(num_tokens, heads + 2 * kv_heads, head_dim)
+    cos, sin = rand(64, head_dim), rand(64, head_dim)
+    positions = torch.tensor([3, 9, 0, 63, 10], device=device)
+    slots = torch.tensor([7, 2, 30, 11, 12], device=device)
+    yield "rope_and_write", (qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :], cos, sin, positions,
+                             torch.zeros(32, kv_heads, head_dim, dtype=dtype, device=device),
+                             torch.zeros(32, kv_heads, head_dim, dtype=dtype, device=device), slots, heads)
+    yield "silu_mul", (rand(num_tokens, 2 * 2500),)
+
+
+@pytest.mark.skipif(not KERNEL_RUNS, reason="needs Triton and a GPU, or TRITON_INTERPRET=1 (test_under_the_interpreter)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernels_match_the_eager_ops(dtype):
+    from specmesh.models import fused, fused_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter computes in numpy, which has no bfloat16")
+    for name, args in fused_cases(dtype, device):
+        cloned = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        with torch.inference_mode():
+            want = getattr(fused, name)(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in cloned])
+            got = getattr(fused_triton, name)(*args)
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(g.cpu(), w, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+        if name == "rope_and_write":  # the caches were written alike
+            for g, w in ((args[5], cloned[5]), (args[6], cloned[6])):
+                torch.testing.assert_close(g.cpu(), w.cpu(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+
+
 @pytest.mark.skipif(not triton_available() or torch.cuda.is_available() or INTERPRETED,
                     reason="needs Triton on a machine without a GPU")
 def test_under_the_interpreter():
@@ -177,7 +233,7 @@ def test_under_the_interpreter():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", __file__, "-p", "no:cacheprovider"],
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "10 passed" in done.stdout
+    assert "12 passed" in done.stdout
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
