@@ -214,14 +214,14 @@ def test_fused_kernels_match_the_eager_ops(dtype):
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the interpreter computes in numpy, which has no bfloat16")
     for name, args in fused_cases(dtype, device):
-        cloned = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        on_cpu = [a.cpu().clone() if isinstance(a, torch.Tensor) else a for a in args]  # the eager ops' copy
         with torch.inference_mode():
-            want = getattr(fused, name)(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in cloned])
+            want = getattr(fused, name)(*on_cpu)
             got = getattr(fused_triton, name)(*args)
         for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             torch.testing.assert_close(g.cpu(), w, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5 if dtype == torch.float32 else 1e-2)
         if name == "rope_and_write":  # the caches were written alike
-            for g, w in ((args[5], cloned[5]), (args[6], cloned[6])):
+            for g, w in ((args[5], on_cpu[5]), (args[6], on_cpu[6])):
                 torch.testing.assert_close(g.cpu(), w.cpu(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
 
 
