@@ -115,7 +115,8 @@ class StepGraphs:
         assert logits_rows.shape[0] == num_logits
         self.num_steps += 1
         if step.graph is not None:
-            step.graph.replay()  # type: ignore[attr-defined]
+            with torch.cuda.device(self.engine.device):
+                step.graph.replay()  # type: ignore[attr-defined]
             self.num_replays += 1
             logits = step.logits
         else:
@@ -179,6 +180,10 @@ class StepGraphs:
     def _capture(self, step: _Step) -> None:
         """Warm up on a side stream (Triton compiles its kernel there), then record the step into a graph
         that shares one memory pool with the other buckets (steps replay one at a time)."""
+        with torch.cuda.device(self.engine.device):  # the engine's GPU, whichever is current
+            self._capture_here(step)
+
+    def _capture_here(self, step: _Step) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
