@@ -55,11 +55,16 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_heads, head_dim = q.shape[1], q.shape[2]
     offsets = torch.arange(batch.block_size, device=q.device)
     slots = (batch.block_tables.long()[:, :, None] * batch.block_size + offsets).view(num_batch, -1)  # [B, K]
-    keys, values = k_cache[slots], v_cache[slots]  # [B, K, kv_heads, head_dim]
     t = torch.arange(rows, device=q.device)
     seq_lens, query_lens = batch.seq_lens.long()[:, None], batch.query_lens.long()[:, None]
+    key_index = torch.arange(slots.shape[1], device=q.device)
+    # slots past a sequence's keys were never written (the cache is uninitialised memory, NaN bit patterns
+    # included): zeroed, so that masked keys and values cannot turn the softmax or its sum into NaN
+    written = (key_index < seq_lens)[:, :, None, None]  # [B, K, 1, 1]
+    keys = torch.where(written, k_cache[slots], 0)  # [B, K, kv_heads, head_dim]
+    values = torch.where(written, v_cache[slots], 0)
     limit = torch.where(t < query_lens, seq_lens - query_lens + t + 1, seq_lens)  # [B, T] keys each row sees
-    mask = torch.arange(slots.shape[1], device=q.device) < limit[:, :, None]  # [B, T, K]
+    mask = key_index < limit[:, :, None]  # [B, T, K]
     out = F.scaled_dot_product_attention(q.view(num_batch, rows, num_heads, head_dim).transpose(1, 2),
                                          keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],
                                          scale=scale, enable_gqa=True)  # [B, heads, T, head_dim]

@@ -28,7 +28,10 @@ PROMPTS = [[5, 17, 33, 5, 17, 33, 5, 17], [100, 7, 250, 31, 9, 60, 12, 200, 4, 4
 
 
 def with_static_step(engine):
-    """The engine with its chains and decode rows on the fixed-shape step, run eagerly."""
+    """The engine with its chains and decode rows on the fixed-shape step, run eagerly. Its cache starts
+    as NaN: a slot read before it is written (padding, past a sequence's keys) shows in the logits."""
+    engine.cache.k.fill_(float("nan"))
+    engine.cache.v.fill_(float("nan"))
     engine.step_graphs = graphs.StepGraphs(engine, capture=False)
     engine.cuda_graphs = True
     return engine
