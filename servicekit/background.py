@@ -18,11 +18,13 @@ class BackgroundServices:
     def __init__(self):
         import torch
 
+        from servicekit.engine_thread import threads_here
+
         self.loop = asyncio.new_event_loop()
         threads = torch.get_num_threads()  # the services' engine threads get the caller's intra-op threads
 
         def run() -> None:
-            torch.set_num_threads(threads)
+            threads_here(threads)
             self.loop.run_forever()
 
         self._thread = threading.Thread(target=run, name="services-loop", daemon=True)

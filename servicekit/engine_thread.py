@@ -32,9 +32,18 @@ _aside: ThreadPoolExecutor | None = None
 _aside_lock = threading.Lock()
 
 
+def threads_here(num_threads: int) -> None:
+    """Give the calling thread's torch ops `num_threads` OpenMP threads, for good. torch applies the
+    process-wide count (the last any thread set) to a thread at that thread's first op; so set alone,
+    before that first op, a thread's count could later become another thread's (measured: an aside
+    thread set to 1 ran with 2 once an engine thread had set 2). The first read does that now."""
+    torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+
+
 def single_threaded_here() -> None:
     """Make the calling thread's torch ops single-threaded (call it on the asyncio loop thread)."""
-    torch.set_num_threads(1)
+    threads_here(1)
 
 
 async def run_aside(fn, *args, **kwargs):
@@ -51,7 +60,7 @@ class EngineThread:
     def __init__(self, name: str = "engine", num_threads: int | None = None):
         self.num_threads = num_threads or torch.get_num_threads()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
-                                            initializer=torch.set_num_threads, initargs=(self.num_threads,))
+                                            initializer=threads_here, initargs=(self.num_threads,))
 
     async def run(self, fn, *args, **kwargs):
         """Run fn(*args, **kwargs) on the engine thread. If the caller is cancelled the call still

@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from specmesh.models.paged_attention import PagedBatch
-
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_lens_ptr, scale,
@@ -72,9 +70,10 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_p
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch,
                            scale: float) -> torch.Tensor:
-    """q: [B * T, heads, head_dim] -> [B * T, heads * head_dim]; k_cache, v_cache: [slots, kv_heads, head_dim]."""
+    """q: [B * T, heads, head_dim] -> [B * T, heads * head_dim]; k_cache, v_cache: [slots, kv_heads, head_dim];
+    batch: a `paged_attention.PagedBatch` (not imported: that module imports this one)."""
     num_batch = batch.block_tables.shape[0]
     rows = batch.rows_per_sequence
     num_heads, head_dim = q.shape[1], q.shape[2]

@@ -50,3 +50,23 @@ def test_the_verify_service_compiles_grammars_aside(tiny_model_dir, monkeypatch)
     finally:
         engine_thread.shutdown()
     assert threads_seen == [1]
+
+
+def test_a_threads_count_survives_another_thread_setting_its_own():
+    """torch applies the process-wide count (the last any thread set) at a thread's first op: a thread
+    set to 1 whose first op came after an engine thread set 2 ran with 2 (the grammar test above failed
+    so in a full suite run). `threads_here` makes the count the thread's own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from servicekit.engine_thread import threads_here
+
+    single = ThreadPoolExecutor(1, initializer=threads_here, initargs=(1,))
+    double = ThreadPoolExecutor(1, initializer=threads_here, initargs=(2,))
+    try:
+        single.submit(lambda: None).result()  # its thread starts: count 1, no torch op yet
+        double.submit(lambda: None).result()  # another thread sets 2 after it
+        assert single.submit(torch.get_num_threads).result() == 1
+        assert double.submit(torch.get_num_threads).result() == 2
+    finally:
+        single.shutdown()
+        double.shutdown()
