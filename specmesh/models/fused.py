@@ -15,18 +15,16 @@ eager ops themselves (CPU tests of the static step run them).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from specmesh.models.paged_attention import triton_available
+from specmesh.models.paged_attention import triton_runs
 from specmesh.models.rope import apply_rope
 
 
 def _kernels(x: torch.Tensor):
-    """The Triton module where it runs (CUDA, or TRITON_INTERPRET=1; not float64), else None."""
-    if x.dtype != torch.float64 and triton_available() and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    """The Triton module where it runs (`triton_runs`), else None."""
+    if triton_runs(x):
         from specmesh.models import fused_triton
 
         return fused_triton

@@ -101,10 +101,10 @@ class StepGraphs:
         self.num_captured = 0
         self.num_replays = 0
 
-    def forward(self, batch: Sequence[SeqInput], starts: Sequence[int], new_slots: Sequence[int]) -> torch.Tensor:
-        """Logits [sum of len(logits_at), vocab] of a batch `step_shape` serves, its slots already appended."""
-        shape = step_shape(batch)
-        assert shape is not None, "StepGraphs.forward called on a batch step_shape refuses"
+    def forward(self, batch: Sequence[SeqInput], starts: Sequence[int], new_slots: Sequence[int],
+                shape: tuple[int, int]) -> torch.Tensor:
+        """Logits [sum of len(logits_at), vocab] of a batch, its slots already appended; `shape`: the batch's
+        `step_shape` (the caller has it, having asked whether this step serves the batch)."""
         step = self._steps.get(shape) or self._new_step(*shape)
         packed, width, num_logits = self._pack(batch, starts, new_slots, *shape)
         device_packed = packed.to(self.engine.device)

@@ -176,8 +176,10 @@ class NativeEngine:
             for item in batch:
                 new_slots += self.cache.append(item.seq_id, len(item.token_ids))
                 appended += 1
-            if self.cuda_graphs and self.step_graphs is not None and graphs.step_shape(batch) is not None:
-                logits = self.step_graphs.forward(batch, starts, new_slots)
+            step_graphs = self.step_graphs if self.cuda_graphs else None
+            shape = graphs.step_shape(batch) if step_graphs is not None else None
+            if step_graphs is not None and shape is not None:
+                logits = step_graphs.forward(batch, starts, new_slots, shape)
                 num_rows = len(batch)
             elif self._fast_eligible(batch, starts, len(new_slots)):
                 logits = self._fast_forward(batch, starts, new_slots)

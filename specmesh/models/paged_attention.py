@@ -35,9 +35,9 @@ import torch.nn.functional as F
 class PagedBatch:
     """Per-step attention metadata of the fixed-shape step, on the model's device (shared by every layer)."""
 
-    block_tables: torch.Tensor  # [B, W] int32 blocks of each sequence (unused entries: any block)
-    seq_lens: torch.Tensor  # [B] int32 keys of each sequence, its new tokens included
-    query_lens: torch.Tensor  # [B] int32 real new tokens of each sequence (<= T)
+    block_tables: torch.Tensor  # [B, W] integer blocks of each sequence (unused entries: any block)
+    seq_lens: torch.Tensor  # [B] integer keys of each sequence, its new tokens included
+    query_lens: torch.Tensor  # [B] integer real new tokens of each sequence (<= T)
     block_size: int
     rows_per_sequence: int  # T
 
@@ -45,6 +45,12 @@ class PagedBatch:
 @functools.cache
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_runs(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels take this tensor: Triton installed, x on CUDA (or TRITON_INTERPRET=1:
+    the CPU tests), and not float64 (which stays on the torch references)."""
+    return x.dtype != torch.float64 and triton_available() and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
@@ -74,7 +80,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
                     scale: float) -> torch.Tensor:
     """The Triton kernel on CUDA (or under TRITON_INTERPRET=1; not float64), else the reference."""
-    if q.dtype != torch.float64 and triton_available() and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if triton_runs(q):
         from specmesh.models.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, batch, scale)
