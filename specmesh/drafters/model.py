@@ -17,6 +17,18 @@ Worked example (k = 3, context of 10 tokens, pending = [c9]):
 
 `propose_many` drafts for several sessions with one engine forward per draft position.
 
+Drafting ahead (`draft_ahead_step`). While the target verifies a proposal x_0..x_{k-1}, the drafter
+may go on as if the target accepts all k and then emits the drafter's own guess g at the next
+position: one forward feeds x_{k-1} to make g (and is then truncated away), then it drafts
+y_0, y_1, ... exactly as the next `propose` would after `accepted_since_last = [x_0..x_{k-1}, g]`:
+the first forward feeds [x_{k-1}, g] together, as that call's pending tokens would be fed, and each
+later one feeds the previous draft. When the next call brings exactly x_0..x_{k-1}, g, the first
+min(k', drafted) of the y's are the proposal and drafting goes on from there; otherwise the ahead
+KV is truncated, the session's generator is put back to its state before the first ahead draw, and
+the call proceeds as if nothing had been drafted ahead. Either way a proposal is the one drafting
+without looking ahead makes (same forwards, same KV, same generator draws), so drafting ahead
+changes when drafts are computed, never what they are, and a seeded run does not depend on timing.
+
 Sampling. With the standard rule a draft token is drawn from q with the session's generator and q
 goes with the proposal (the verifier's test reads it). With the coupled rule
 (`specmesh.decoding.coupled`) the token at absolute position t (the context length before drafting,
@@ -27,7 +39,7 @@ target samples that position with; the verifier reads no q, so the proposal carr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +57,21 @@ class ModelDraftState:
     base_len: int = 0  # KV length where the last proposal's drafts start
     num_drafted: int = 0  # k of the last proposal (0 = none outstanding)
     num_tokens: int = 0  # context length (KV + pending) before drafting
+    last_drafts: list[int] = field(default_factory=list)  # the last proposal's tokens
+    ahead: DraftAhead | None = None  # drafts made past the last proposal, awaiting the target's verdict
+
+
+@dataclass
+class DraftAhead:
+    """What `ModelDrafter.draft_ahead_step` drafted past the last proposal (module docstring)."""
+
+    guess: int  # the drafter's guess at the target's token after the last proposal
+    depth: int  # how many tokens to draft ahead
+    transform: object  # the q transform they were drawn with: a hit needs the same
+    before: torch.Tensor | None  # the generator's state before the first ahead draw (None: draws use none)
+    tokens: list[int] = field(default_factory=list)
+    qs: list[torch.Tensor] = field(default_factory=list)
+    after: list[torch.Tensor] = field(default_factory=list)  # the generator's state after each draw
 
 
 class ModelDrafter:
@@ -61,6 +88,8 @@ class ModelDrafter:
         self.engine = engine
         self.device = engine.device  # where its generators must live
         self.q_transform = q_transform
+        self.ahead_served = 0  # tokens drafted ahead that became a proposal's
+        self.ahead_dropped = 0  # tokens drafted ahead that the verdict (or a smaller k) made useless
 
     @property
     def ms_per_token(self) -> float | None:
@@ -106,13 +135,23 @@ class ModelDrafter:
     ) -> list[DraftProposal]:
         for state, tokens, k in zip(states, accepted, max_tokens):
             self.check_call(state, tokens, k)  # all, before any state moves
-        for state, tokens in zip(states, accepted):
-            self._absorb(state, tokens)
+        hits = [self._ahead_hit(s, tokens, k) for s, tokens, k in zip(states, accepted, max_tokens)]
+        for state, tokens, generator, hit in zip(states, accepted, generators, hits):
+            if hit:  # _take_ahead moves the KV and pending below
+                state.num_tokens += len(tokens)
+            else:
+                self.drop_ahead(state, generator)
+                self._absorb(state, tokens)
         limits = [max(0, min(k, self.engine.max_context - s.num_tokens)) for s, k in zip(states, max_tokens)]
         drafts: list[list[int]] = [[] for _ in states]
         qs: list[list[torch.Tensor]] = [[] for _ in states]
+        for i, (state, generator) in enumerate(zip(states, generators)):
+            if hits[i]:
+                drafts[i], qs[i] = self._take_ahead(state, generator, limits[i])
         for position in range(max(limits, default=0)):
-            active = [i for i, limit in enumerate(limits) if position < limit]
+            active = [i for i, limit in enumerate(limits) if len(drafts[i]) == position < limit]
+            if not active:  # only sessions served from their drafts ahead are this far yet
+                continue
             inputs = []
             for i in active:
                 state = states[i]
@@ -130,9 +169,91 @@ class ModelDrafter:
                 state.base_len = state.num_tokens  # the pending tokens were fed at position 0
                 state.pending = []
             state.num_drafted = limits[i]
+            state.last_drafts = drafts[i]
             q = torch.stack(qs[i]) if qs[i] else None
             proposals.append(DraftProposal(token_ids=drafts[i], q=q))
         return proposals
+
+    # drafting ahead (module docstring)
+    def wants_ahead(self, state: ModelDraftState, depth: int) -> bool:
+        """Whether `draft_ahead_step` has a forward to run for this state, drafting `depth` tokens ahead."""
+        if not state.num_drafted or depth < 1:
+            return False
+        ahead = state.ahead
+        drafted = 0 if ahead is None else len(ahead.tokens)
+        if ahead is not None and drafted >= ahead.depth:
+            return False
+        return state.base_len + state.num_drafted + 1 + drafted < self.engine.max_context
+
+    def draft_ahead_step(self, states: Sequence[ModelDraftState], depths: Sequence[int],
+                         params: Sequence[SamplingParams], generators: Sequence[torch.Generator]) -> None:
+        """One engine forward for every state that `wants_ahead`: the guess at the target's token if it
+        has none yet, else the next draft past it."""
+        chosen = [i for i, (s, d) in enumerate(zip(states, depths)) if self.wants_ahead(s, d)]
+        if not chosen:
+            return
+        inputs = []
+        for i in chosen:
+            state, ahead = states[i], states[i].ahead
+            if ahead is None:
+                feed = [state.last_drafts[-1]]
+            else:
+                feed = [state.last_drafts[-1], ahead.guess] if not ahead.tokens else [ahead.tokens[-1]]
+            inputs.append(SeqInput(state.seq_id, feed, [len(feed) - 1]))
+        logits = self.engine.forward(inputs)
+        for i, row in zip(chosen, logits):
+            state, ahead, generator = states[i], states[i].ahead, generators[i]
+            end = state.base_len + state.num_drafted  # the context if every draft is accepted
+            if ahead is None:
+                self.engine.truncate(state.seq_id, end - 1)  # x_{k-1} is fed again with the guess
+                before = None if params[i].is_greedy or params[i].is_coupled else generator.get_state()
+                state.ahead = DraftAhead(self._guess(row, params[i], generator, end), depths[i], self.q_transform, before)
+                continue
+            token, q = self._draw(row, params[i], generator, end + 1 + len(ahead.tokens))
+            ahead.tokens.append(token)
+            if q is not None:
+                ahead.qs.append(q)
+            if ahead.before is not None:
+                ahead.after.append(generator.get_state())
+
+    def drop_ahead(self, state: ModelDraftState, generator: torch.Generator) -> None:
+        """Forget the drafts made ahead: their KV goes, the generator gets its state back."""
+        ahead, state.ahead = state.ahead, None
+        if ahead is None:
+            return
+        self.ahead_dropped += len(ahead.tokens)
+        self.engine.truncate(state.seq_id, state.base_len + state.num_drafted - 1)
+        if ahead.before is not None:
+            generator.set_state(ahead.before)
+
+    def _ahead_hit(self, state: ModelDraftState, accepted: Sequence[int], max_tokens: int) -> bool:
+        """The target accepted every draft and emitted the guess, and there are drafts ahead to serve."""
+        ahead = state.ahead
+        return (ahead is not None and bool(ahead.tokens) and max_tokens > 0 and ahead.transform is self.q_transform
+                and list(map(int, accepted)) == [*state.last_drafts, ahead.guess])
+
+    def _take_ahead(self, state: ModelDraftState, generator: torch.Generator, limit: int) -> tuple[list[int], list]:
+        """On a hit (the context already counts the accepted tokens): the first drafts ahead become this
+        proposal's, the KV and the generator are where drafting them now would leave them, and drafting
+        goes on from there. A hit leaves room for at least one draft (`wants_ahead`), so `limit` >= 1."""
+        ahead, state.ahead = state.ahead, None
+        assert ahead is not None  # _ahead_hit
+        taken = min(limit, len(ahead.tokens))
+        self.ahead_served += taken
+        self.ahead_dropped += len(ahead.tokens) - taken
+        state.base_len, state.pending, state.num_drafted = state.num_tokens, [], 0
+        self.engine.truncate(state.seq_id, state.base_len + taken - 1)
+        if ahead.before is not None:
+            generator.set_state(ahead.after[taken - 1])
+        return ahead.tokens[:taken], ahead.qs[:taken]
+
+    def _guess(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, position: int) -> int:
+        """The drafter's guess at the target's token at `position` (it never draws from the generator): its
+        coupled sample under the noise the target samples that position with, else its most likely token."""
+        if params.is_coupled:
+            seed = params.seed if params.seed is not None else draft_seed(generator.initial_seed())
+            return int(sample_at(processed_probs(logits, params), seed, [position])[0])
+        return int(logits[0].argmax())
 
     def _absorb(self, state: ModelDraftState, tokens: Sequence[int]) -> None:
         """Fold the tokens accepted since the last proposal into the KV / pending (module docstring)."""

@@ -1,0 +1,148 @@
+"""Drafting ahead (`ModelDrafter.draft_ahead_step`): a proposal is the one drafting without looking
+ahead makes, token for token and q for q, whatever the verdict and however far ahead it got."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmesh.decoding.adaptive import FixedK
+from specmesh.decoding.sampling import AcceptanceRule, SamplingParams, make_generator
+from specmesh.decoding.speculative import generate
+from specmesh.decoding.verifier import TargetVerifier
+from specmesh.drafters.model import ModelDrafter
+from specmesh.drafters.wire_q import RoundQ
+from specmesh.models.load import load_engine
+
+PROMPTS = [[100, 7, 250, 31, 9, 60, 12, 200, 4, 4, 99, 1, 3], [5, 17, 33, 5, 17, 33, 5, 17]]
+PARAMS = {
+    "greedy": SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=40),
+    "standard": SamplingParams(temperature=0.8, top_k=0, seed=3, ignore_eos=True, max_new_tokens=40,
+                               acceptance_rule=AcceptanceRule.STANDARD),
+    "coupled": SamplingParams(temperature=0.8, top_k=0, seed=3, ignore_eos=True, max_new_tokens=40,
+                              acceptance_rule=AcceptanceRule.COUPLED),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    target_dir = tiny_model_dir("llama", init_std=0.2)
+    return {"target": load_engine(target_dir, dtype="float64"), "draft": load_engine(target_dir, dtype="float32")}
+
+
+def _same(mine, theirs) -> None:
+    assert mine.token_ids == theirs.token_ids
+    assert (mine.q is None) == (theirs.q is None)
+    if mine.q is not None:
+        assert torch.equal(mine.q, theirs.q)
+
+
+class Shadowed:
+    """A ModelDrafter that drafts ahead after every proposal (a number of forwards that changes from
+    round to round, to a depth that does too), each proposal checked against a drafter that never does."""
+
+    name = "model"
+
+    def __init__(self, engine, q_transform=None):
+        self.ahead = ModelDrafter(engine, q_transform)
+        self.plain = ModelDrafter(engine, q_transform)
+        self.device = engine.device
+        self.round = 0
+
+    def open(self, prompt_ids):
+        return {"ahead": self.ahead.open(prompt_ids), "plain": self.plain.open(prompt_ids), "generator": None}
+
+    def check_call(self, state, accepted, k):
+        self.ahead.check_call(state["ahead"], accepted, k)
+
+    def propose(self, state, accepted, k, params, generator):
+        if state["generator"] is None:  # the plain drafter's twin of the session's generator
+            state["generator"] = torch.Generator(device=generator.device)
+            state["generator"].set_state(generator.get_state())
+        mine = self.ahead.propose(state["ahead"], accepted, k, params, generator)
+        _same(mine, self.plain.propose(state["plain"], accepted, k, params, state["generator"]))
+        self.round += 1
+        forwards, depth = self.round % (k + 4), max(1, k + self.round % 3 - 1)  # 0 .. k + 3; k - 1 .. k + 1
+        for _ in range(forwards):
+            self.ahead.draft_ahead_step([state["ahead"]], [depth], [params], [generator])
+        return mine
+
+    def propose_many(self, states, accepted, max_tokens, params, generators):
+        return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]
+
+    def close(self, state):
+        self.ahead.close(state["ahead"])
+        self.plain.close(state["plain"])
+
+
+@pytest.mark.parametrize("mode", list(PARAMS))
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_speculative_decoding_with_drafts_ahead_equals_without(engines, mode, k):
+    verifier = TargetVerifier(engines["target"])
+    params = PARAMS[mode]
+    shadowed = Shadowed(engines["draft"])
+    for prompt in PROMPTS:
+        with_ahead = generate(verifier, shadowed, prompt, params, k_policy=FixedK(k))
+        without = generate(verifier, ModelDrafter(engines["draft"]), prompt, params, k_policy=FixedK(k))
+        assert with_ahead.token_ids == without.token_ids
+    assert shadowed.ahead.ahead_served > 0  # drafts ahead were served, not only dropped
+    assert engines["draft"].kv_usage().free_blocks == engines["draft"].kv_usage().total_blocks  # every session's KV freed
+
+
+def test_q_rounded_for_the_wire_is_the_same_ahead(engines):
+    verifier = TargetVerifier(engines["target"])
+    shadowed = Shadowed(engines["draft"], RoundQ(torch.bfloat16))
+    result = generate(verifier, shadowed, PROMPTS[0], PARAMS["standard"], k_policy=FixedK(3))
+    assert result.stats.num_draft_tokens > 0 and shadowed.ahead.ahead_served > 0
+    assert shadowed.ahead.ahead_dropped > 0  # misses put the generator back
+
+
+def test_batched_proposals_mix_hits_misses_and_sessions_without_drafts_ahead(engines):
+    """Three sessions drafted together each round: one always served from its drafts ahead (its
+    verdict is built to be a hit), one whose drafts ahead always miss, one never drafting ahead."""
+    engine = engines["draft"]
+    ahead, plain = ModelDrafter(engine), ModelDrafter(engine)
+    params = [PARAMS["standard"]] * 3
+    ahead_states = [ahead.open(PROMPTS[i % 2]) for i in range(3)]
+    plain_states = [plain.open(PROMPTS[i % 2]) for i in range(3)]
+    ahead_gens = [make_generator(10 + i, engine.device)[0] for i in range(3)]
+    plain_gens = [make_generator(10 + i, engine.device)[0] for i in range(3)]
+    accepted = [[], [], []]
+    for round_ in range(6):
+        k = [3, 2 + round_ % 3, 4]
+        mine = ahead.propose_many(ahead_states, accepted, k, params, ahead_gens)
+        theirs = plain.propose_many(plain_states, accepted, k, params, plain_gens)
+        for m, t in zip(mine, theirs):
+            _same(m, t)
+        for _ in range(round_ % 4 + 1):
+            ahead.draft_ahead_step(ahead_states[:2], [4, 4], params[:2], ahead_gens[:2])
+        guess = ahead_states[0].ahead.guess
+        accepted = [[*mine[0].token_ids, guess],  # every draft and the guess: a hit
+                    [*mine[1].token_ids[:1], (mine[1].token_ids[1] + 1) % engine.vocab_size],  # a miss
+                    [*mine[2].token_ids, 7]]
+    assert ahead.ahead_served > 0 and ahead.ahead_dropped > 0
+    for state, generator in zip(ahead_states, ahead_gens):
+        ahead.drop_ahead(state, generator)
+        assert engine.seq_len(state.seq_id) == state.base_len + state.num_drafted - 1
+        ahead.close(state)
+    for state in plain_states:
+        plain.close(state)
+    assert engine.kv_usage().free_blocks == engine.kv_usage().total_blocks
+
+
+def test_drafts_ahead_stop_at_the_context_window(engines):
+    engine = engines["draft"]
+    drafter = ModelDrafter(engine)
+    state = drafter.open([1 + i % 300 for i in range(engine.max_context - 4)])
+    generator = make_generator(0, engine.device)[0]
+    params = PARAMS["greedy"]
+    proposal = drafter.propose(state, [], 2, params, generator)
+    forwards = 0
+    while drafter.wants_ahead(state, 8):
+        drafter.draft_ahead_step([state], [8], [params], [generator])
+        forwards += 1
+    assert forwards == 2  # the guess, then one draft: the context ends after it
+    assert engine.seq_len(state.seq_id) <= engine.max_context
+    nxt = drafter.propose(state, [*proposal.token_ids, state.ahead.guess], 4, params, generator)
+    assert len(nxt.token_ids) == 1 and drafter.ahead_served == 1
+    drafter.close(state)
