@@ -20,3 +20,7 @@ class DraftOptions(ServerOptions, ModelOptions, QuotaOptions):
     max_draft_tokens: int = 64  # largest k a Propose may ask for
     batch_window_ms: float = 2.0  # how long the batcher collects concurrent Propose calls
     max_batch_sessions: int = 64  # sessions per batched draft forward
+    # model drafter: after answering a Propose of k tokens, keep drafting k more on the guess that the
+    # target accepts them all (specmesh/drafters/model.py), so the next Propose may be answered at once.
+    # The drafts are the same either way; it pays where this process has cores of its own (cpus:).
+    draft_ahead: bool = False

@@ -6,11 +6,19 @@ Propose asks for: the drafter for that dtype rounds q first and samples from the
 (`specmesh.drafters.wire_q`), so what travels is exactly what was sampled from. A model drafter on an
 encoder-decoder model opens a session on its encoder input through a view of the engine bound to
 it (`specmesh.models.encdec`); its Propose calls then batch with every other session's.
+
+Drafting ahead (`DraftOptions.draft_ahead`, model drafters on decoder-only models). After a Propose,
+the session is queued for `ModelDrafter.draft_ahead_step`: one batched forward at a time on the engine
+thread, only while no Propose waits or runs (`WindowBatcher.wait_idle`), until each session has drafted
+as many tokens ahead as its last Propose asked for. A Propose that finds the verdict it guessed is
+answered from those drafts; proposals are the same as without drafting ahead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +45,7 @@ from specmesh.drafters.wire_q import RoundQ, q_transform_for
 from specmesh.models.encdec import is_encoder_decoder, validate_encoder_input
 from specmesh.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
+log = logging.getLogger(__name__)
 DrafterFactory = Callable[[RoundQ | None], Drafter]  # q transform -> a drafter on the service's model
 
 
@@ -48,6 +57,10 @@ class DraftSession:
     seed: int
     num_tokens: int  # the prompt (+ encoder input) and every accepted token appended since (quota accounting)
     rounds: RoundLog = field(default_factory=RoundLog)  # Propose calls answered (safe resends)
+    ahead_depth: int = 0  # tokens to draft ahead: the last Propose's k
+    ahead_q_dtype: torch.dtype = torch.float32  # the last Propose's q dtype (its drafter drafts ahead)
+    draft_ahead: bool = True  # False: an encoder-decoder session (drafted on a bound view of the engine)
+    closed: bool = False  # set on the engine thread when its state is freed
 
 
 @dataclass
@@ -79,6 +92,13 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.model_folder = model_folder
+        self.draft_ahead = options.draft_ahead and isinstance(self.drafter, ModelDrafter)
+        self._ahead: dict[int, DraftSession] = {}  # id -> session with drafting ahead to do (module docstring)
+        self._ahead_wakeup: asyncio.Event | None = None
+        self._ahead_task: asyncio.Task | None = None
+        if self.draft_ahead:
+            metrics.watch_ahead(lambda: sum(getattr(d, "ahead_served", 0) for d in list(self._drafters.values())),
+                                lambda: sum(getattr(d, "ahead_dropped", 0) for d in list(self._drafters.values())))
         self.batcher = WindowBatcher(
             self.engine_thread, self._run_batch, options.batch_window_ms, options.max_batch_sessions,
             on_batch=lambda calls: metrics.batch_size.observe(len(calls)),
@@ -91,13 +111,68 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         return self._drafters[q_dtype]
 
     def free_session(self, session: DraftSession) -> None:
+        session.closed = True
         self.drafter.close(session.state)
 
     def session_tokens(self, session: DraftSession) -> int:
         return session.num_tokens
 
     async def stop_batchers(self) -> None:
+        if self._ahead_task is not None:
+            self._ahead_task.cancel()
+            try:
+                await self._ahead_task
+            except asyncio.CancelledError:
+                pass
+            self._ahead_task = None
         await self.batcher.close()
+
+    # drafting ahead (module docstring)
+    def _want_ahead(self, session: DraftSession, k: int, q_dtype: torch.dtype) -> None:
+        if not (self.draft_ahead and session.draft_ahead and k > 0):
+            return
+        session.ahead_depth, session.ahead_q_dtype = k, q_dtype
+        self._ahead[id(session)] = session
+        if self._ahead_task is None:
+            self._ahead_wakeup = asyncio.Event()
+            self._ahead_task = asyncio.get_running_loop().create_task(self._ahead_loop())
+        assert self._ahead_wakeup is not None
+        self._ahead_wakeup.set()
+
+    async def _ahead_loop(self) -> None:
+        assert self._ahead_wakeup is not None
+        while True:
+            await self._ahead_wakeup.wait()
+            self._ahead_wakeup.clear()
+            while self._ahead:
+                await self.batcher.wait_idle()  # Propose calls first
+                try:
+                    await self.engine_thread.run(self._ahead_step, list(self._ahead.values()))
+                except Exception:  # noqa: BLE001 - drafting ahead is an optimisation: stop it, serve on demand
+                    log.exception("drafting ahead failed; the sessions queued for it draft on demand")
+                    self._ahead.clear()
+
+    def _ahead_step(self, sessions: Sequence[DraftSession]) -> None:
+        """Engine thread: one forward per q dtype for the sessions with drafting ahead left to do; the
+        others leave the queue (here, so a Propose that queues one again comes after)."""
+        live = []
+        for session in sessions:
+            drafter = self.drafter_for(session.ahead_q_dtype)
+            if session.closed or not drafter.wants_ahead(session.state, session.ahead_depth):
+                self._ahead.pop(id(session), None)
+            else:
+                live.append(session)
+        live.sort(key=lambda session: str(session.ahead_q_dtype))
+        for q_dtype, group in itertools.groupby(live, key=lambda session: session.ahead_q_dtype):
+            members = list(group)
+            drafter = self.drafter_for(q_dtype)
+            try:
+                drafter.draft_ahead_step([m.state for m in members], [m.ahead_depth for m in members],
+                                         [m.params for m in members], [m.generator for m in members])
+            except Exception:  # noqa: BLE001 - e.g. the KV pool is full: these sessions draft on demand
+                for member in members:
+                    drafter.drop_ahead(member.state, member.generator)
+                    self._ahead.pop(id(member), None)
 
     # engine-thread work
     def _run_batch(self, calls: Sequence[ProposeCall]) -> list:
@@ -153,7 +228,8 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         async with self.admission(len(prompt) + len(encoder_input)):
             state = await self.engine_thread.run(self._open, prompt, encoder_input)
             session_id = await self.add_session(DraftSession(state, params, generator, params.seed,
-                                                             len(prompt) + len(encoder_input)))
+                                                             len(prompt) + len(encoder_input),
+                                                             draft_ahead=not encoder_input))
         return draft_pb2.DraftOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=params.seed,
                                                   ms_per_token=getattr(self.drafter, "ms_per_token", None))
 
@@ -177,6 +253,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             session.num_tokens += len(accepted)
             response = propose_response(result.proposal, request, self.vocab_size, result.draft_ms)
             session.rounds.remember(request, response)
+            self._want_ahead(session, result.proposal.num_tokens, q_dtype)
         self.metrics.draft_tokens.inc(result.proposal.num_tokens)
         return response
 

@@ -47,6 +47,19 @@ class WindowBatcher:
         self._wakeup: asyncio.Event | None = None
         self._all_queued: asyncio.Event | None = None  # set while a window is open and every expected caller is in
         self._task: asyncio.Task | None = None
+        self._running = False  # a batch taken from the queue has not been answered yet
+        self._idle: asyncio.Event | None = None  # set (and dropped) when the queue drains
+
+    def busy(self) -> bool:
+        """Calls are waiting, or a batch is on the engine thread."""
+        return bool(self._queue) or self._running
+
+    async def wait_idle(self) -> None:
+        """Until no call waits and no batch runs: background engine work (e.g. drafting ahead) yields to calls."""
+        while self.busy():
+            if self._idle is None:
+                self._idle = asyncio.Event()
+            await self._idle.wait()
 
     async def submit(self, payload: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -73,6 +86,8 @@ class WindowBatcher:
             _, future = self._queue.popleft()
             if not future.done():
                 future.set_exception(RuntimeError("the service is shutting down"))
+        self._running = False
+        self._wake_idle()
 
     async def _window(self) -> None:
         """Wait `window_ms`, or less: until every expected caller is queued."""
@@ -118,10 +133,13 @@ class WindowBatcher:
                 if not batch:
                     continue
                 payloads = [payload for payload, _ in batch]
+                self._running = True
                 try:
                     results = await self.engine_thread.run(self.run_batch, payloads)
                 except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
                     results = [exc] * len(batch)
+                finally:
+                    self._running = False
                 if self.on_batch is not None:
                     self.on_batch(payloads)
                 for (_, future), result in zip(batch, results):
@@ -131,3 +149,9 @@ class WindowBatcher:
                         future.set_exception(result)
                     else:
                         future.set_result(result)
+            self._wake_idle()
+
+    def _wake_idle(self) -> None:
+        if self._idle is not None and not self._queue:
+            self._idle.set()
+            self._idle = None

@@ -1,4 +1,4 @@
-"""The exact joint distribution of a target's next three tokens, for the chi-square tests of the
+"""The exact joint distribution of a target's next few tokens, for the chi-square tests of the
 speculative loops (engine-level and cascade)."""
 
 from __future__ import annotations
@@ -19,14 +19,17 @@ def next_probs(engine, prefix: list[int], params: SamplingParams) -> torch.Tenso
     return processed_probs(logits, params)[0].double()
 
 
-def target_joint(engine, prompt: list[int], params: SamplingParams) -> dict[tuple[int, int, int], float]:
-    """{(t1, t2, t3): probability} under the target alone (params should truncate, e.g. top_k=3)."""
-    joint = {}
-    p1 = next_probs(engine, prompt, params)
-    for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = next_probs(engine, prompt + [t1], params)
-        for t2 in torch.nonzero(p2).flatten().tolist():
-            p3 = next_probs(engine, prompt + [t1, t2], params)
-            for t3 in torch.nonzero(p3).flatten().tolist():
-                joint[(t1, t2, t3)] = float(p1[t1] * p2[t2] * p3[t3])
+def target_joint(engine, prompt: list[int], params: SamplingParams, length: int = 3) -> dict[tuple[int, ...], float]:
+    """{(t1, .., t_length): probability} under the target alone (params should truncate, e.g. top_k=3)."""
+    joint: dict[tuple[int, ...], float] = {}
+
+    def extend(prefix: tuple[int, ...], probability: float) -> None:
+        if len(prefix) == length:
+            joint[prefix] = probability
+            return
+        probs = next_probs(engine, prompt + list(prefix), params)
+        for token in torch.nonzero(probs).flatten().tolist():
+            extend(prefix + (token,), probability * float(probs[token]))
+
+    extend((), 1.0)
     return joint

@@ -5,7 +5,10 @@ Target and drafter are two different tiny random models (the target also as a Q4
 3 exist. The joint distribution of (token 1, 2, 3) over 10,000 seeded trials is compared, with a
 chi-square test, to p(t1) p(t2 | t1) p(t3 | t1 t2) computed from the target alone. Top-k = 3 keeps
 the support at 27 cells. Trials run 1,000 sessions at a time through the batched verifier. Both
-acceptance rules (`specmesh.decoding.rejection`, `specmesh.decoding.coupled`).
+acceptance rules (`specmesh.decoding.rejection`, `specmesh.decoding.coupled`). And with the drafter
+drafting ahead while each round is verified (`ModelDrafter.draft_ahead_step`: drafts made on a guess
+the verdict refutes are thrown away, and must not bias what is sampled): k = 1 rounds until token 4
+exists, so token 4's draft may come from the drafts ahead; the joint of four tokens (81 cells).
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ NUM_TRIALS = 10_000
 CHUNK = 1_000
 
 
-def _speculative_samples(target, draft, seeds, rule):
+def _speculative_samples(target, draft, seeds, rule, ahead=False):
     verifier, drafter = TargetVerifier(target), ModelDrafter(draft)
-    params = [dataclasses.replace(PARAMS, seed=s, acceptance_rule=rule) for s in seeds]
+    length, k = (4, 1) if ahead else (3, 2)
+    params = [dataclasses.replace(PARAMS, seed=s, acceptance_rule=rule, max_new_tokens=length) for s in seeds]
     generators = [make_generator(s)[0] for s in seeds]
     draft_generators = [make_generator(draft_seed(s))[0] for s in seeds]
     sessions = verifier.open_many([PROMPT] * len(seeds), params, generators)
@@ -38,8 +42,10 @@ def _speculative_samples(target, draft, seeds, rule):
     outputs = [[s.pending_token_id] for s in sessions]
     pending = [list(o) for o in outputs]
     try:
-        for _ in range(2):  # every round adds >= 1 token, so two rounds give tokens 2 and 3
-            proposals = drafter.propose_many(states, pending, [2] * len(seeds), params, draft_generators)
+        for _ in range(length - 1):  # every round adds >= 1 token, so these rounds give tokens 2 .. length
+            proposals = drafter.propose_many(states, pending, [k] * len(seeds), params, draft_generators)
+            for _ in range(2 if ahead else 0):  # the guess at the target's token, then a draft past it
+                drafter.draft_ahead_step(states, [k] * len(seeds), params, draft_generators)
             outcomes = verifier.verify_many(sessions, proposals)
             for output, outcome, acc in zip(outputs, outcomes, pending):
                 output.extend(outcome.token_ids)
@@ -48,21 +54,28 @@ def _speculative_samples(target, draft, seeds, rule):
         for session, state in zip(sessions, states):
             verifier.close(session)
             drafter.close(state)
-    return [tuple(o[:3]) for o in outputs]
+    assert not ahead or drafter.ahead_served > 0  # some second rounds were served from drafts ahead
+    return [tuple(o[:length]) for o in outputs]
 
 
 # the float64 target under both acceptance rules, and a low-bit one (8-bit activations, 4-bit weights: a
-# model of its own, exact all the same)
-@pytest.mark.parametrize("draft_family,target_options,rule", [
-    ("qwen2", {"dtype": "float64"}, AcceptanceRule.STANDARD), ("qwen2", {"dtype": "float64"}, AcceptanceRule.COUPLED),
-    ("qwen2", {"dtype": "float32", "quantize": "q4_1"}, AcceptanceRule.STANDARD)])
-def test_joint_of_three_tokens_matches_target(tiny_model_dir, draft_family, target_options, rule):
+# model of its own, exact all the same). Drafting ahead, the drafter is the target itself: q = p, so
+# every draft is accepted and token 4 is, whenever the guess held, the draft served from those made ahead
+OTHER, SELF = ("qwen2", 6), ("llama", 5)
+
+
+@pytest.mark.parametrize("draft_model,target_options,rule,ahead", [
+    (OTHER, {"dtype": "float64"}, AcceptanceRule.STANDARD, False), (OTHER, {"dtype": "float64"}, AcceptanceRule.COUPLED, False),
+    (OTHER, {"dtype": "float32", "quantize": "q4_1"}, AcceptanceRule.STANDARD, False),
+    (SELF, {"dtype": "float64"}, AcceptanceRule.STANDARD, True)])
+def test_joint_of_the_first_tokens_matches_target(tiny_model_dir, draft_model, target_options, rule, ahead):
     target = load_engine(tiny_model_dir("llama", seed=5, init_std=0.08), max_kv_tokens=64 * CHUNK, **target_options)
-    draft = load_engine(tiny_model_dir(draft_family, seed=6, init_std=0.08), dtype="float64", max_kv_tokens=64 * CHUNK)
-    expected = target_joint(target, PROMPT, PARAMS)
+    family, seed = draft_model
+    draft = load_engine(tiny_model_dir(family, seed=seed, init_std=0.08), dtype="float64", max_kv_tokens=64 * CHUNK)
+    expected = target_joint(target, PROMPT, PARAMS, length=4 if ahead else 3)
     counts = dict.fromkeys(expected, 0)
     for start in range(0, NUM_TRIALS, CHUNK):
-        for sample in _speculative_samples(target, draft, range(start, start + CHUNK), rule):
+        for sample in _speculative_samples(target, draft, range(start, start + CHUNK), rule, ahead):
             assert sample in counts, f"{sample} has probability 0 under the target"
             counts[sample] += 1
     cells = sorted(expected, key=expected.get, reverse=True)

@@ -1,5 +1,5 @@
 """Failover against live processes started the way `make run-cluster` starts them (client.cluster):
-SIGKILL the Draft process mid-stream, then one of two Verify replicas mid-stream; every stream
+SIGKILL the Draft process mid-stream (it drafts ahead), then one of two Verify replicas mid-stream; every stream
 completes with exactly the target-only greedy tokens, none repeated or lost, and the stats say what
 failed over. With no Verify replica left, a request gets UNAVAILABLE within its deadline."""
 
@@ -37,7 +37,7 @@ def reference(target):
 def cluster(target, tmp_path):
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump({"defaults": {"model": target, "dtype": "float64", "port": 0}, "services": {
-        "draft": {"kind": "draft", "drafter": "model", "torch_threads": 1},
+        "draft": {"kind": "draft", "drafter": "model", "torch_threads": 1, "draft_ahead": True},  # killed mid-draft-ahead
         "verify": {"kind": "verify", "replicas": 2, "torch_threads": 1},
         "coordinator": {"kind": "coordinator", "health_interval_s": 0.2},
     }}))

@@ -1,0 +1,99 @@
+"""A Draft service that drafts ahead (`draft_ahead`) behind the Coordinator (in-process services on
+loopback, tiny random models): greedy output equals target-only decoding, seeded sampling (both
+acceptance rules) gives the tokens a Draft service that never drafts ahead gives, drafts ahead are
+served, and closing sessions leaves no KV behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from service_helpers import target_only_greedy, wait_for
+
+from coordinator.options import CoordinatorOptions
+from coordinator.server import create_server as create_coordinator
+from draft_service.options import DraftOptions
+from draft_service.server import create_server as create_draft
+from servicekit.background import BackgroundServices
+from servicekit.channels import open_channel as channel
+from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from target_service.options import VerifyOptions
+from target_service.server import create_server as create_verify
+
+TIMEOUT_S = 60
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+SPEC = coordinator_pb2.GENERATION_MODE_SPECULATIVE
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return str(tiny_model_dir("llama", init_std=0.2))
+
+
+@pytest.fixture(scope="module")
+def services(target):
+    """Two coordinators over one Verify service: one drafts with a Draft service that drafts ahead, the
+    other with one that does not. Both drafts are the target in float32 (a self-draft)."""
+    running = BackgroundServices()
+    try:
+        verify = running.start(create_verify(VerifyOptions(model=target, dtype="float64", port=0)))
+        addresses = {}
+        for ahead in (True, False):
+            draft = running.start(create_draft(DraftOptions(model=target, dtype="float32", port=0, draft_ahead=ahead)))
+            coordinator = running.start(create_coordinator(CoordinatorOptions(
+                model=target, port=0, draft_addresses=f"127.0.0.1:{draft.port}", verify_addresses=f"127.0.0.1:{verify.port}")))
+            addresses[ahead] = (f"127.0.0.1:{coordinator.port}", draft.servicer)
+        yield addresses
+    finally:
+        running.close()
+
+
+async def _generate(address: str, k: int, **sampling) -> tuple[list[int], coordinator_pb2.GenerateResponse]:
+    sampling = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 48, **sampling}
+    request = coordinator_pb2.GenerateRequest(prompt=PROMPT, mode=SPEC, drafter="service", num_draft_tokens=k,
+                                              sampling=common_pb2.SamplingParams(**sampling))
+    async with channel(address) as ch:
+        tokens, last = [], None
+        async for response in coordinator_pb2_grpc.CoordinatorServiceStub(ch).Generate(request, timeout=TIMEOUT_S):
+            tokens += response.token_ids
+            last = response
+        return tokens, last
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+def _served(servicer) -> int:
+    return sum(drafter.ahead_served for drafter in servicer._drafters.values())
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_with_drafts_ahead_equals_target_only(services, target, k):
+    address, servicer = services[True]
+    before = _served(servicer)
+    tokens, last = _run(_generate(address, k))
+    assert tokens == target_only_greedy(target, PROMPT, 48)
+    assert last.stats.num_draft_tokens > 0 and last.stats.num_failovers == 0
+    assert _served(servicer) > before  # some rounds were answered from drafts made ahead
+
+
+@pytest.mark.parametrize("rule", [common_pb2.ACCEPTANCE_RULE_STANDARD, common_pb2.ACCEPTANCE_RULE_COUPLED])
+@pytest.mark.parametrize("seed", [0, 5])
+def test_seeded_sampling_does_not_depend_on_drafting_ahead(services, rule, seed):
+    sampling = dict(temperature=0.9, seed=seed, acceptance_rule=rule)
+    ahead, _ = _run(_generate(services[True][0], 3, **sampling))
+    plain, _ = _run(_generate(services[False][0], 3, **sampling))
+    assert ahead == plain
+
+
+def test_concurrent_streams_with_drafts_ahead_free_their_kv(services, target):
+    address, servicer = services[True]
+
+    async def many():
+        return await asyncio.gather(*(_generate(address, 3) for _ in range(6)))
+
+    reference = target_only_greedy(target, PROMPT, 48)
+    assert all(tokens == reference for tokens, _ in _run(many()))
+    kv = servicer.engine.kv_usage
+    assert wait_for(lambda: servicer.num_sessions == 0 and kv().free_blocks == kv().total_blocks, 10)
