@@ -11,7 +11,10 @@ Drafting ahead (`DraftOptions.draft_ahead`, model drafters on decoder-only model
 the session is queued for `ModelDrafter.draft_ahead_step`: one batched forward at a time on the engine
 thread, only while no Propose waits or runs (`WindowBatcher.wait_idle`), until each session has drafted
 as many tokens ahead as its last Propose asked for. A Propose that finds the verdict it guessed is
-answered from those drafts; proposals are the same as without drafting ahead.
+answered from those drafts; proposals are the same as without drafting ahead. A forward that would
+still run when the session's next Propose is due (the time from an answer to the next call, measured
+per session, against the measured time of a forward ahead) is not started: it would delay that call,
+so where the target's round is shorter than a draft forward nothing is drafted ahead.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class DraftSession:
     ahead_q_dtype: torch.dtype = torch.float32  # the last Propose's q dtype (its drafter drafts ahead)
     draft_ahead: bool = True  # False: an encoder-decoder session (drafted on a bound view of the engine)
     closed: bool = False  # set on the engine thread when its state is freed
+    answered_at: float = 0.0  # perf_counter when its last Propose was answered
+    gap_ms: float | None = None  # time from an answer to the next Propose (moving average)
 
 
 @dataclass
@@ -96,6 +101,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         self._ahead: dict[int, DraftSession] = {}  # id -> session with drafting ahead to do (module docstring)
         self._ahead_wakeup: asyncio.Event | None = None
         self._ahead_task: asyncio.Task | None = None
+        self._ahead_forward_ms: float | None = None  # a forward ahead (moving average)
         if self.draft_ahead:
             metrics.watch_ahead(lambda: sum(getattr(d, "ahead_served", 0) for d in list(self._drafters.values())),
                                 lambda: sum(getattr(d, "ahead_dropped", 0) for d in list(self._drafters.values())))
@@ -155,10 +161,10 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
     def _ahead_step(self, sessions: Sequence[DraftSession]) -> None:
         """Engine thread: one forward per q dtype for the sessions with drafting ahead left to do; the
         others leave the queue (here, so a Propose that queues one again comes after)."""
-        live = []
+        live, now = [], time.perf_counter()
         for session in sessions:
             drafter = self.drafter_for(session.ahead_q_dtype)
-            if session.closed or not drafter.wants_ahead(session.state, session.ahead_depth):
+            if session.closed or not drafter.wants_ahead(session.state, session.ahead_depth) or self._due(session, now):
                 self._ahead.pop(id(session), None)
             else:
                 live.append(session)
@@ -173,6 +179,15 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
                 for member in members:
                     drafter.drop_ahead(member.state, member.generator)
                     self._ahead.pop(id(member), None)
+        if live:
+            self._ahead_forward_ms = _average(self._ahead_forward_ms, (time.perf_counter() - now) * 1e3 / len(
+                {str(session.ahead_q_dtype) for session in live}))
+
+    def _due(self, session: DraftSession, now: float) -> bool:
+        """Whether one more forward ahead would still run when the session's next Propose is expected."""
+        if session.gap_ms is None or self._ahead_forward_ms is None:
+            return False
+        return (now - session.answered_at) * 1e3 + self._ahead_forward_ms > session.gap_ms
 
     # engine-thread work
     def _run_batch(self, calls: Sequence[ProposeCall]) -> list:
@@ -247,12 +262,15 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             replay = session.rounds.replay(request)
             if replay is not None:
                 return replay
+            if session.answered_at:
+                session.gap_ms = _average(session.gap_ms, (time.perf_counter() - session.answered_at) * 1e3)
             self.drafter.check_call(session.state, accepted, k)  # a bad call fails alone, before the batch
             self.check_kv_quota(len(accepted) + k)
             result: ProposeResult = await self.batcher.submit(ProposeCall(session, accepted, k, q_dtype))
             session.num_tokens += len(accepted)
             response = propose_response(result.proposal, request, self.vocab_size, result.draft_ms)
             session.rounds.remember(request, response)
+            session.answered_at = time.perf_counter()
             self._want_ahead(session, result.proposal.num_tokens, q_dtype)
         self.metrics.draft_tokens.inc(result.proposal.num_tokens)
         return response
@@ -269,3 +287,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftGetInfoResponse(model=model_info_pb(self.options.model, self.model_folder, self.engine),
                                               drafter=self.options.drafter, kv=kv_usage_pb(self.engine.kv_usage()),
                                               is_encoder_decoder=is_encoder_decoder(self.engine), process=process_info_pb())
+
+
+def _average(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else old + weight * (new - old)

@@ -97,3 +97,22 @@ def test_concurrent_streams_with_drafts_ahead_free_their_kv(services, target):
     assert all(tokens == reference for tokens, _ in _run(many()))
     kv = servicer.engine.kv_usage
     assert wait_for(lambda: servicer.num_sessions == 0 and kv().free_blocks == kv().total_blocks, 10)
+
+
+def test_no_forward_ahead_starts_that_would_delay_the_next_call(services):
+    """A forward ahead is started only if it ends before the session's next Propose is expected."""
+    from draft_service.servicer import DraftSession
+
+    _, servicer = services[True]
+    session = DraftSession(state=None, params=None, generator=None, seed=0, num_tokens=0, answered_at=100.0)
+    saved = servicer._ahead_forward_ms
+    try:
+        servicer._ahead_forward_ms = 30.0
+        assert not servicer._due(session, 100.010)  # nothing measured of this session yet: draft ahead
+        session.gap_ms = 50.0
+        assert not servicer._due(session, 100.010)  # 10 ms in, a 30 ms forward ends before the call at 50 ms
+        assert servicer._due(session, 100.025)  # 25 ms in it would not
+        servicer._ahead_forward_ms = 80.0
+        assert servicer._due(session, 100.0)  # a forward longer than the target's round: never
+    finally:
+        servicer._ahead_forward_ms = saved
