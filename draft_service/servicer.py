@@ -39,6 +39,7 @@ from servicekit.metrics import ServiceMetrics
 from servicekit.process import process_info_pb
 from servicekit.rounds import RoundLog
 from servicekit.session_service import SessionService
+from specmesh.decoding.ahead import forward_fits, moving_average
 from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import draft_seed
@@ -180,14 +181,12 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
                     drafter.drop_ahead(member.state, member.generator)
                     self._ahead.pop(id(member), None)
         if live:
-            self._ahead_forward_ms = _average(self._ahead_forward_ms, (time.perf_counter() - now) * 1e3 / len(
+            self._ahead_forward_ms = moving_average(self._ahead_forward_ms, (time.perf_counter() - now) * 1e3 / len(
                 {str(session.ahead_q_dtype) for session in live}))
 
     def _due(self, session: DraftSession, now: float) -> bool:
         """Whether one more forward ahead would still run when the session's next Propose is expected."""
-        if session.gap_ms is None or self._ahead_forward_ms is None:
-            return False
-        return (now - session.answered_at) * 1e3 + self._ahead_forward_ms > session.gap_ms
+        return not forward_fits((now - session.answered_at) * 1e3, self._ahead_forward_ms, session.gap_ms)
 
     # engine-thread work
     def _run_batch(self, calls: Sequence[ProposeCall]) -> list:
@@ -263,7 +262,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             if replay is not None:
                 return replay
             if session.answered_at:
-                session.gap_ms = _average(session.gap_ms, (time.perf_counter() - session.answered_at) * 1e3)
+                session.gap_ms = moving_average(session.gap_ms, (time.perf_counter() - session.answered_at) * 1e3)
             self.drafter.check_call(session.state, accepted, k)  # a bad call fails alone, before the batch
             self.check_kv_quota(len(accepted) + k)
             result: ProposeResult = await self.batcher.submit(ProposeCall(session, accepted, k, q_dtype))
@@ -287,7 +286,3 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.DraftGetInfoResponse(model=model_info_pb(self.options.model, self.model_folder, self.engine),
                                               drafter=self.options.drafter, kv=kv_usage_pb(self.engine.kv_usage()),
                                               is_encoder_decoder=is_encoder_decoder(self.engine), process=process_info_pb())
-
-
-def _average(old: float | None, new: float, weight: float = 0.3) -> float:
-    return new if old is None else old + weight * (new - old)

@@ -54,6 +54,7 @@ from typing import Any
 import simpy
 
 from specmesh.decoding.adaptive import FixedK
+from specmesh.decoding.ahead import forward_fits, moving_average
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.state import SpeculationState
 from specmesh.routing.registry import make_router
@@ -105,6 +106,88 @@ class Process:
     def run(self, num_messages: int, in_window: bool) -> simpy.Event:
         self.num_messages += num_messages if in_window else 0
         return self.engine.run(num_messages * self.s_per_message)
+
+
+class AheadRun:
+    """One session's drafting ahead (`DraftOptions.draft_ahead`): after each answer, the guess forward
+    and then a forward per draft, each started only while `specmesh.decoding.ahead.forward_fits` says
+    it ends before the session's next Propose is expected. Its Draft server's `AheadBatcher` runs them."""
+
+    def __init__(self, batcher: AheadBatcher):
+        self.batcher = batcher
+        self.answered_s = 0.0
+        self.gap_ms: float | None = None  # answer -> next Propose (moving average), as the service measures it
+        self.k = 0
+        self.context = 0  # the context if every draft is accepted and the guess holds
+        self.forwards = 0  # forwards ahead since the last answer: the guess, then one per draft
+        self.in_flight: simpy.Event | None = None
+        self.stopped = True
+        self.generation = 0
+
+    def start(self, env: simpy.Environment, k: int, context: int) -> None:
+        self.answered_s, self.k, self.context, self.forwards, self.stopped = env.now, k, context, 0, False
+        self.generation += 1
+        self.batcher.add(self)
+
+    def forward_ms(self) -> float:
+        return self.batcher.draft.cost.forward_ms(1, 2 if self.forwards == 1 else 1, self.context + self.forwards - 1)
+
+    def wants(self, now_s: float) -> bool:
+        return (not self.stopped and self.forwards < self.k + 1
+                and forward_fits((now_s - self.answered_s) * 1e3, self.forward_ms(), self.gap_ms))
+
+    def on_propose(self, env: simpy.Environment, k: int, hit: bool):
+        """At the next Propose: how many of its k drafts were drafted ahead (0 unless the guess held)."""
+        if self.stopped:
+            return 0
+        self.gap_ms = moving_average(self.gap_ms, (env.now - self.answered_s) * 1e3)
+        self.stopped = True
+        if self.in_flight is not None:  # the forward under way ends first (the engine runs one job at a time)
+            yield self.in_flight
+        return min(k, self.forwards - 1) if hit and self.forwards > 1 else 0
+
+
+class AheadBatcher:
+    """A Draft server's drafting ahead, as `DraftServicer._ahead_step` runs it: one forward at a time
+    for every session with a forward ahead to run, started only while no Propose waits or runs."""
+
+    def __init__(self, env: simpy.Environment, sim: Simulation, draft: DraftServer):
+        self.env, self.sim, self.draft = env, sim, draft
+        self.runs: list[AheadRun] = []
+        self._wakeup: simpy.Event | None = None
+        env.process(self._loop())
+
+    def add(self, run: AheadRun) -> None:
+        if run not in self.runs:
+            self.runs.append(run)
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
+
+    def _loop(self):
+        env = self.env
+        while True:
+            self.runs = [run for run in self.runs if run.wants(env.now)]
+            if not self.runs:
+                self._wakeup = env.event()
+                yield self._wakeup
+                continue
+            idle = self.draft.idle()
+            if not idle.triggered:  # Propose calls first
+                yield idle
+                continue
+            runs = [(run, run.generation) for run in self.runs]
+            rows = len(runs)
+            fed = sum(2 if run.forwards == 1 else 1 for run, _ in runs) / rows
+            context = sum(run.context + run.forwards for run, _ in runs) / rows
+            job = self.draft.run_job(self.draft.cost.forward_ms(rows, fed, context) / 1e3)
+            for run, _ in runs:
+                run.in_flight = job
+            yield job
+            self.sim.ahead_forwards += 1
+            for run, generation in runs:
+                if run.generation == generation:  # its token is drafted even if the Propose came meanwhile
+                    run.in_flight = None
+                    run.forwards += 1
 
 
 class Simulation:
@@ -163,6 +246,12 @@ class Simulation:
         spec = config.speculation
         conditional = conditional_from_marginal(spec.acceptance_marginal) if spec.acceptance_marginal else spec.acceptance
         self.acceptance = AcceptanceModel(conditional, spec.acceptance_trace)
+        self.draft_ahead = config.mode == "distributed" and spec.draft_ahead
+        self._guess_rate = spec.guess_rate or None  # None: the per-position acceptance after the k drafts
+        self._conditional = list(conditional)
+        self.ahead_served_tokens = 0  # inside and outside the window: a run's totals (tests, reports)
+        self.ahead_forwards = 0  # forwards ahead run (each batches every session with one to run)
+        self._ahead_batchers: dict[str, AheadBatcher] = {}
         # a recorded run replayed: the i-th request started gets the i-th list of accepted counts (cycling)
         self._request_traces = itertools.cycle(spec.acceptance_per_request) if spec.acceptance_per_request else None
         wl = config.workload
@@ -341,6 +430,8 @@ class Simulation:
         draft_opened = draft is not None and max_new_tokens > 1  # the driver opens it after the first token
         draft_calls = int(draft_opened)  # calls the Draft service has yet to handle: Draft.OpenSession
         rounds = round_state(num_prompt, max_new_tokens, k_max)
+        ahead = AheadRun(self._ahead_batcher(draft)) if self.draft_ahead and draft is not None else None
+        last_hit = False  # the last round accepted every draft and the drafter's guess
         while not rounds.finished:
             k = rounds.next_k()
             context = num_prompt + generated
@@ -351,8 +442,15 @@ class Simulation:
                 yield env.timeout(draft_link.send_down(t, overhead + per_token * new_input) - env.now)
                 yield from self._handle(draft_rpc, env.now, draft_calls + 1)  # the Propose (and the OpenSession first)
                 draft_calls = 0
-                yield draft.propose(draft_feed, k, context - draft_feed)
+                served = 0
+                if ahead is not None:  # the drafting ahead stops; a forward under way ends first
+                    served = yield from ahead.on_propose(env, k, last_hit)
+                    self.ahead_served_tokens += served
+                if served < k:
+                    yield draft.propose(1 if served else draft_feed, k - served, context + served - (0 if served else draft_feed))
                 t = draft_link.send_up(env.now, overhead + (per_token + q_bytes) * k)
+                if ahead is not None:
+                    ahead.start(env, k, context + k + 1)
                 num_handled = 2  # and the Propose response
             t = yield from self._handle(coordinator, t, num_handled)
             yield env.timeout(link.send_down(t, overhead + (per_token + q_bytes) * k) - env.now)
@@ -372,6 +470,7 @@ class Simulation:
                 num_accepted = min(k, own_trace[record.num_rounds % len(own_trace)])
             else:
                 num_accepted = self.acceptance.num_accepted(k, rng, record.num_rounds, trace_offset)
+            last_hit = ahead is not None and k > 0 and num_accepted == k and rng.random() < self._guess_probability(k)
             new_input = num_accepted + 1
             rounds.record(k, num_accepted, [0] * new_input)
             # the drafter kept its first k - 1 draft tokens; it feeds the target's token (and the last
@@ -385,6 +484,8 @@ class Simulation:
             t = yield from self._handle(coordinator, t, 1)  # the Verify response
             delivery = self._to_client(record, t, new_input, overhead + per_token * new_input, False, generated >= max_new_tokens)
         server.num_sessions -= 1
+        if ahead is not None:
+            ahead.stopped = True
         if draft is not None:
             draft.num_sessions -= 1
         record.num_output_tokens = generated
@@ -405,6 +506,16 @@ class Simulation:
             yield delivery  # sets end_s
         elif record.end_s > env.now:
             yield env.timeout(record.end_s - env.now)
+
+    def _ahead_batcher(self, draft: DraftServer) -> AheadBatcher:
+        if draft.name not in self._ahead_batchers:
+            self._ahead_batchers[draft.name] = AheadBatcher(self.env, self, draft)
+        return self._ahead_batchers[draft.name]
+
+    def _guess_probability(self, k: int) -> float:
+        if self._guess_rate is not None:
+            return self._guess_rate
+        return self._conditional[min(k, len(self._conditional) - 1)]
 
     # run
     def run(self) -> SimResult:

@@ -115,6 +115,11 @@ class Speculation:
     acceptance_trace: list[int] = field(default_factory=list)  # instead: accepted tokens of recorded rounds, replayed
     acceptance_per_request: list[list[int]] = field(default_factory=list)  # instead: request i started gets round counts [i]
     q_bytes_per_draft_token: int = 0  # sampled sessions send the draft distributions q (e.g. 4 * vocab)
+    # distributed mode: the Draft service drafts ahead (DraftOptions.draft_ahead; rule: specmesh.decoding.ahead)
+    draft_ahead: bool = False
+    # P(the drafter's guess is the target's token | all k accepted); 0 = the per-position acceptance at
+    # position k + 1 (a trace has none: give it)
+    guess_rate: float = 0.0
 
 
 @dataclass
@@ -185,6 +190,11 @@ class SimConfig:
             raise ValueError(f"speculation.k must be >= 0, got {self.speculation.k}")
         if any(not 0 <= p <= 1 for p in self.speculation.acceptance + self.speculation.acceptance_marginal):
             raise ValueError("acceptance probabilities must be in [0, 1]")
+        spec = self.speculation
+        if not 0 <= spec.guess_rate <= 1:
+            raise ValueError(f"speculation.guess_rate must be in [0, 1], got {spec.guess_rate}")
+        if spec.draft_ahead and not spec.guess_rate and (spec.acceptance_trace or spec.acceptance_per_request):
+            raise ValueError("speculation.draft_ahead with an acceptance trace needs speculation.guess_rate")
         groups: list[TargetGroup | DraftGroup] = [*self.targets, *self.drafts]
         if any(g.host and g.count != 1 for g in groups):
             raise ValueError("a group with `host:` stands for one process on that host: count must be 1")

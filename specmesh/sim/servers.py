@@ -284,7 +284,18 @@ class BatchingServer:
         self.num_batch_rows = 0
         self.num_batch_cost = 0
         self._idle: simpy.Event | None = None
+        self._running = False  # a batch taken from the queue has not finished
+        self._idle_waiters: list[simpy.Event] = []
         env.process(self.run())
+
+    def idle(self) -> simpy.Event:
+        """Fires once no call waits and no batch runs (`WindowBatcher.wait_idle`): at once if so now."""
+        event = self.env.event()
+        if self.queue or self._running:
+            self._idle_waiters.append(event)
+        else:
+            event.succeed()
+        return event
 
     def batch_ms(self, payloads: list[tuple]) -> float:
         """Engine milliseconds of one batch."""
@@ -335,14 +346,20 @@ class BatchingServer:
             if self.window_s > 0 and len(self.queue) < self.num_sessions:
                 yield env.timeout(self.window_s)
             batch = self._take()
+            self._running = True
             done = self.run_job(self.batch_ms([c.payload for c in batch]) / 1e3 + len(batch) * self.engine_s_per_call)
             if env.now in self.window:
                 self.num_batches += 1
                 self.num_batch_rows += len(batch)
                 self.num_batch_cost += sum(c.cost for c in batch)
             yield done
+            self._running = False
             for call in batch:
                 call.done.succeed()
+            if not self.queue:
+                waiters, self._idle_waiters = self._idle_waiters, []
+                for waiter in waiters:
+                    waiter.succeed()
 
 
 class TargetServer(BatchingServer):

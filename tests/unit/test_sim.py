@@ -426,3 +426,44 @@ def test_engine_ms_per_call_lengthens_each_batch():
 
     (r,) = run(2.0, 1.0).requests
     assert (r.ttft_s, r.e2e_s) == (pytest.approx(0.010), pytest.approx(0.070))
+
+
+def _one_request(ahead: bool, draft_ms: float, output_tokens: int = 21):
+    """One request at a time (a closed client), k = 3, every draft and every guess right, target forward
+    10 ms, draft forward `draft_ms`, no network."""
+    from specmesh.sim import Simulation
+
+    sim = Simulation(config_from_dict(base_config(
+        duration_s=10, burn_in_s=0, devices={"target": {"linear": {"base_ms": 10.0}}, "draft": {"linear": {"base_ms": draft_ms}}},
+        speculation={"k": 3, "acceptance": [1.0], "draft_ahead": ahead, "guess_rate": 1.0},
+        workload={"arrival": "closed", "num_clients": 1, "num_requests_per_client": 1, "prompt_tokens": 10,
+                  "output_tokens": output_tokens})))
+    result = sim.run()
+    assert result.summary["num_requests_done"] == 1
+    return result.requests[0], sim
+
+
+def test_drafts_ahead_answer_the_next_propose():
+    """Each round emits 4 tokens, so 21 tokens are the prefill's and 5 rounds. Drafting ahead (1 ms a
+    forward), the guess and 3 drafts (4 ms) fit in each 10 ms verify: rounds 2-5 get their 3 drafts
+    at once, saving 4 x 3 ms; drafted on demand, the same rounds."""
+    plain, _ = _one_request(False, 1.0)
+    ahead, sim = _one_request(True, 1.0)
+    assert (ahead.num_rounds, ahead.num_draft_tokens, ahead.num_output_tokens) == (plain.num_rounds, plain.num_draft_tokens, 21)
+    assert sim.ahead_served_tokens == 4 * 3
+    assert (plain.e2e_s - ahead.e2e_s) * 1e3 == pytest.approx(4 * 3.0, abs=1e-6)
+
+
+def test_no_forward_ahead_outlasts_the_verify_round():
+    """A draft forward (25 ms) longer than the time from an answer to the next Propose (10 ms): the
+    first round's guess forward is started (nothing measured yet) and delays round 2's Propose by
+    15 ms; once the gap is measured, nothing more is drafted ahead."""
+    plain, _ = _one_request(False, 25.0)
+    ahead, sim = _one_request(True, 25.0)
+    assert sim.ahead_forwards == 1 and sim.ahead_served_tokens == 0
+    assert (ahead.e2e_s - plain.e2e_s) * 1e3 == pytest.approx(15.0, abs=1e-6)
+
+
+def test_drafting_ahead_with_a_trace_needs_a_guess_rate():
+    with pytest.raises(ValueError, match="guess_rate"):
+        config_from_dict(base_config(speculation={"k": 3, "acceptance_trace": [3, 1], "draft_ahead": True}))
