@@ -28,14 +28,18 @@ cancels the source and waits for its `finally` blocks (so downstream sessions cl
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
 _END = object()
 
 
-async def read_ahead(source: AsyncGenerator[T, None], depth: int = 8) -> AsyncGenerator[T, None]:
+async def read_ahead(source: AsyncGenerator[T, None], depth: int = 8,
+                     merge: Callable[[list[T]], T] | None = None) -> AsyncGenerator[T, None]:
+    """`merge`: items already waiting when the consumer asks for the next one are handed over as one,
+    `merge([item, ...])`, in order (a stream whose messages can be joined, e.g. token ids, sends fewer
+    of them when its writes fall behind its source)."""
     if depth < 1:
         raise ValueError(f"depth must be at least 1, got {depth}")
     queue: asyncio.Queue = asyncio.Queue(depth)
@@ -53,13 +57,23 @@ async def read_ahead(source: AsyncGenerator[T, None], depth: int = 8) -> AsyncGe
             await source.aclose()
 
     task = asyncio.get_running_loop().create_task(pump())
+    end = None  # the end (or the source's exception), met while merging the items before it
     try:
         while True:
-            item, error = await queue.get()
+            item, error = end if end is not None else await queue.get()
             if item is _END:
                 if error is not None:
                     raise error
                 return
+            if merge is not None and not queue.empty():
+                items = [item]
+                while not queue.empty():
+                    waiting = queue.get_nowait()
+                    if waiting[0] is _END:
+                        end = waiting
+                        break
+                    items.append(waiting[0])
+                item = merge(items) if len(items) > 1 else item
             yield item
     finally:
         if not task.done():

@@ -1,6 +1,7 @@
 """Verify.Generate takes Run's path: its rounds go through the cross-session batcher (several Generate
 streams share forwards), and it streams exactly what OpenSession + Run stream, greedy and seeded sampling,
-and what the in-process plain loop makes. A float32 target, so the engine's fast path serves the rounds."""
+and what the in-process plain loop makes. A lone stream's rounds run back to back on the engine thread
+(`_solo_rounds`) with the same tokens. A float32 target, so the engine's fast path serves the rounds."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from service_helpers import wait_for
 
 from servicekit.background import BackgroundServices
 from specmesh.decoding.sampling import SamplingParams
@@ -65,8 +67,15 @@ def test_concurrent_generate_streams_share_forwards_and_match_run(service):
         assert streamed == plain
         assert sequences == len(PROMPTS) * NEW_TOKENS  # one prefill and NEW_TOKENS - 1 rounds per stream
         assert forwards < sequences  # the streams' rounds rode in shared forwards
+        solo_before = handle.servicer.num_solo_rounds
         for prompt in PROMPTS[:2]:
             assert _generate(stub, prompt, _sampling(temperature=0.0)) == _open_and_run(stub, prompt, _sampling(temperature=0.0))
             seeded = _sampling(temperature=1.0, seed=7)
             assert _generate(stub, prompt, seeded) == _open_and_run(stub, prompt, seeded)
-    assert engine.num_free_blocks == free_before
+        assert handle.servicer.num_solo_rounds > solo_before  # the lone streams ran their rounds back to back
+        # a long lone stream, ended by the caller partway: its job stops and its sequence is freed
+        stream = stub.Generate(verify_pb2.VerifyGenerateRequest(prompt_token_ids=PROMPTS[0], sampling=common_pb2.SamplingParams(
+            temperature=0.0, max_new_tokens=400, ignore_eos=True)), timeout=60)
+        assert len(next(stream).token_ids) >= 1
+        stream.cancel()
+    assert wait_for(lambda: engine.num_free_blocks == free_before, 10)
