@@ -17,9 +17,13 @@ async def _numbers(n: int, error: Exception | None = None):
         raise error
 
 
+def _join(items: list[list[int]]) -> list[int]:
+    return [x for item in items for x in item]
+
+
 async def _collect(source, depth: int, slow_consumer: bool) -> list[list[int]]:
     seen = []
-    async for item in read_ahead(source, depth, merge=lambda items: [x for item in items for x in item]):
+    async for item in read_ahead(source, depth, merge=_join):
         seen.append(item)
         if slow_consumer:
             await asyncio.sleep(0.01)  # the source runs ahead meanwhile
@@ -42,7 +46,7 @@ def test_the_error_comes_after_the_items_before_it():
     async def main():
         seen = []
         with pytest.raises(KeyError):
-            async for item in read_ahead(_numbers(6, KeyError("end")), 8, merge=lambda items: [x for i in items for x in i]):
+            async for item in read_ahead(_numbers(6, KeyError("end")), 8, merge=_join):
                 seen.append(item)
                 await asyncio.sleep(0.01)
         return seen
