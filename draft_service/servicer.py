@@ -39,6 +39,7 @@ from servicekit.metrics import ServiceMetrics
 from servicekit.process import process_info_pb
 from servicekit.rounds import RoundLog
 from servicekit.session_service import SessionService
+from servicekit.tasks import cancel_and_wait
 from specmesh.decoding.ahead import forward_fits, moving_average
 from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
@@ -125,13 +126,8 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         return session.num_tokens
 
     async def stop_batchers(self) -> None:
-        if self._ahead_task is not None:
-            self._ahead_task.cancel()
-            try:
-                await self._ahead_task
-            except asyncio.CancelledError:
-                pass
-            self._ahead_task = None
+        await cancel_and_wait(self._ahead_task)
+        self._ahead_task = None
         await self.batcher.close()
 
     # drafting ahead (module docstring)

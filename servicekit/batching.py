@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from servicekit.engine_thread import EngineThread
+from servicekit.tasks import cancel_and_wait
 
 
 class WindowBatcher:
@@ -75,13 +76,8 @@ class WindowBatcher:
         return await future
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         while self._queue:
             _, future = self._queue.popleft()
             if not future.done():

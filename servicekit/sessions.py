@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servicekit.errors import SessionNotFound
+from servicekit.tasks import cancel_and_wait
 
 SESSION_ID_BYTES = 16  # 128 random bits, as 32 hex characters
 MAX_SESSION_ID_CHARS = 64  # longer ids are malformed, not merely unknown
@@ -119,10 +120,5 @@ class SessionTable:
         self._reaper = asyncio.get_running_loop().create_task(loop())
 
     async def stop(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            try:
-                await self._reaper
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._reaper)
         await self.close_all()
