@@ -248,7 +248,6 @@ class Simulation:
         self.acceptance = AcceptanceModel(conditional, spec.acceptance_trace)
         self.draft_ahead = config.mode == "distributed" and spec.draft_ahead
         self._guess_rate = spec.guess_rate or None  # None: the per-position acceptance after the k drafts
-        self._conditional = list(conditional)
         self.ahead_served_tokens = 0  # inside and outside the window: a run's totals (tests, reports)
         self.ahead_forwards = 0  # forwards ahead run (each batches every session with one to run)
         self._ahead_batchers: dict[str, AheadBatcher] = {}
@@ -515,7 +514,8 @@ class Simulation:
     def _guess_probability(self, k: int) -> float:
         if self._guess_rate is not None:
             return self._guess_rate
-        return self._conditional[min(k, len(self._conditional) - 1)]
+        conditional = self.acceptance.conditional
+        return conditional[min(k, len(conditional) - 1)]
 
     # run
     def run(self) -> SimResult:
