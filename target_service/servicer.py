@@ -16,7 +16,8 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
 
 from servicekit.convert import FINISH_TO_PB, check_draft_has_q, kv_usage_pb, model_info_pb, sampling_from_pb, stats_to_pb, token_ids_from_pb
 from servicekit.engine_thread import EngineThread, run_aside
@@ -41,8 +42,9 @@ from target_service.options import VerifyOptions
 from target_service.sessions import FusedDraft, VerifySession
 
 log = logging.getLogger("specmesh.verify")
+T = TypeVar("T")
 RUN_AHEAD_ROUNDS = 4  # rounds a Run stream may finish before the caller reads them
-SOLO_ROUNDS = 16  # rounds a lone Generate stream runs per engine-thread job, and may finish before the caller reads them
+SOLO_ROUNDS = 16  # rounds a lone stream (Generate, target-only Run) runs per engine-thread job
 
 
 class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
@@ -57,7 +59,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         metrics.watch_engine(lambda: engine.stats)
         self.fused_drafter = fused_drafter
         self._generating = 0  # Generate streams in progress: callers of the batcher without a session id
-        self.num_solo_rounds = 0  # rounds of a lone Generate stream run back to back (_solo_rounds)
+        self.num_solo_rounds = 0  # rounds of a lone stream run back to back (_back_to_back)
         self.solo_rounds = _spare_core(engine, self.engine_thread)  # (measured: on a 2-core CPU with a 2-thread engine
         # the event loop's writes then stall the engine's OpenMP team: 0.90x against 0.92x per round at a time)
         self.batcher = VerifyBatcher(self.engine_thread, self.verifier, options.batch_window_ms, options.max_batch_tokens, metrics,
@@ -198,6 +200,11 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             raise
         if forced:
             session.round.record_unverified(forced)
+        return self._recorded(session_id, session, proposal, kept, result, draft_ms)
+
+    def _recorded(self, session_id: str, session: VerifySession, proposal: DraftProposal, kept: list[int],
+                  result: VerifyResult, draft_ms: float = 0.0) -> verify_pb2.VerifyResponse:
+        """A verified round into the session's state and the metrics: its response."""
         outcome = result.outcome
         event = session.round.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, result.verify_ms,
                                      result.cost)
@@ -313,9 +320,28 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                                          f"completed {session.rounds.rounds_done} rounds")
             self._check_open(session)
 
+            done = 0
+
+            def target_only_round() -> verify_pb2.RunResponse | None:
+                """Engine thread (or the event loop between batched rounds' awaits, never both): one
+                target-only round of this session, alone in its forward; None once the stream is done."""
+                nonlocal done
+                if session.round.finish_reason is not None or (request.max_rounds and done >= request.max_rounds):
+                    return None
+                done += 1
+                proposal, kept, _ = self._prepare(session, DraftProposal(token_ids=[]), deterministic=True)
+                response = verify_pb2.RunResponse(
+                    result=self._recorded(request.session_id, session, proposal, kept, self._verify_alone(session.target)))
+                session.rounds.remember(request, response)
+                return response
+
             async def rounds():
-                done = 0
+                nonlocal done
                 while session.round.finish_reason is None and (not request.max_rounds or done < request.max_rounds):
+                    if not request.draft and self._alone(session_running=True):  # rounds back to back on the engine thread
+                        async for response in self._back_to_back(target_only_round, lambda: self._alone(session_running=True)):
+                            yield response
+                        continue
                     done += 1
                     if request.draft:
                         step = await self._fused_round(request.session_id, session, request.num_draft_tokens)
@@ -457,11 +483,17 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                     pb.stats.CopyFrom(stats_to_pb(event.stats))
                 return pb
 
+            def generate_round():
+                if state.finished:
+                    return None
+                state.next_k()
+                return _record(state, self._verify_alone(target))
+
             async def rounds():
                 yield response(state.start(target.pending_token_id, (time.perf_counter() - start) * 1e3))
                 while not state.finished:
                     if self._alone():  # the engine to itself: rounds back to back on the engine thread
-                        async for event in self._solo_rounds(target, state):
+                        async for event in self._back_to_back(generate_round, self._alone):
                             yield response(event)
                         continue
                     state.next_k()
@@ -476,45 +508,56 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             if begun:  # queued after any forward in flight that still holds the sequence
                 await asyncio.shield(self.engine_thread.run(self.verifier.close, begun[0]))
 
-    def _alone(self) -> bool:
-        """One Generate stream, no session and no call waiting: nobody to batch with."""
-        return self.solo_rounds and self._generating == 1 and not self.num_sessions and not self.batcher.busy()
+    def _alone(self, session_running: bool = False) -> bool:
+        """Nobody to batch with: one Generate stream and no session, or (session_running) one session's
+        Run and no Generate stream; and no call waiting for the batcher."""
+        if session_running:
+            alone = self._generating == 0 and self.num_sessions == 1
+        else:
+            alone = self._generating == 1 and not self.num_sessions
+        return self.solo_rounds and alone and not self.batcher.busy()
 
-    async def _solo_rounds(self, target: TargetSession, state: SpeculationState):
-        """Target-only rounds of a lone Generate stream run back to back in one engine-thread job, each
-        the forward a batch of one would run (`run_verify_batch`), each round's event handed over as it
-        is made: no hop between the event loop and the engine thread per token. The job ends after
-        SOLO_ROUNDS rounds, when the state finishes, when anyone else needs the engine (a call for the
+    def _verify_alone(self, target: TargetSession) -> VerifyResult:
+        """Engine thread: a target-only round as a batch of one (the forward the batcher would run)."""
+        call = VerifyCall(target, DraftProposal(token_ids=[]))
+        result = run_verify_batch(self.verifier, [call])[0]
+        if isinstance(result, Exception):
+            raise result
+        if self.batcher.on_batch is not None:
+            self.batcher.on_batch([call])
+        self.num_solo_rounds += 1
+        return result
+
+    async def _back_to_back(self, one_round: Callable[[], T | None], alone: Callable[[], bool]) -> AsyncIterator[T]:
+        """Rounds of a lone stream (Generate's, or a session's target-only Run) back to back in one
+        engine-thread job, each round's result handed to the event loop as it is made: no hop between
+        the event loop and the engine thread per token. The job ends after SOLO_ROUNDS rounds, when
+        `one_round` returns None (the stream is done), when `alone` no longer holds (a call for the
         batcher, a session, another stream), or when the stream is gone."""
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        results: asyncio.Queue = asyncio.Queue()
         stop = [False]
 
         def steps() -> None:
             try:
                 for _ in range(SOLO_ROUNDS):
-                    if state.finished or stop[0] or not self._alone():
+                    if stop[0] or not alone():
                         return
-                    state.next_k()
-                    call = VerifyCall(target, DraftProposal(token_ids=[]))
-                    result = run_verify_batch(self.verifier, [call])[0]
-                    if isinstance(result, Exception):
-                        raise result
-                    if self.batcher.on_batch is not None:
-                        self.batcher.on_batch([call])
-                    self.num_solo_rounds += 1
-                    loop.call_soon_threadsafe(events.put_nowait, _record(state, result))
+                    result = one_round()
+                    if result is None:
+                        return
+                    loop.call_soon_threadsafe(results.put_nowait, (result,))
             except Exception as exc:  # noqa: BLE001 - handed over after the rounds before it
-                loop.call_soon_threadsafe(events.put_nowait, exc)
+                loop.call_soon_threadsafe(results.put_nowait, exc)
             finally:
-                loop.call_soon_threadsafe(events.put_nowait, None)  # the job's end
+                loop.call_soon_threadsafe(results.put_nowait, None)  # the job's end
 
         job = asyncio.ensure_future(self.engine_thread.run(steps))
         try:
-            while (event := await events.get()) is not None:
-                if isinstance(event, Exception):
-                    raise event
-                yield event
+            while (item := await results.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item[0]
         finally:
             stop[0] = True
             await job

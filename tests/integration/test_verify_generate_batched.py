@@ -1,7 +1,8 @@
 """Verify.Generate takes Run's path: its rounds go through the cross-session batcher (several Generate
 streams share forwards), and it streams exactly what OpenSession + Run stream, greedy and seeded sampling,
-and what the in-process plain loop makes. A lone stream's rounds run back to back on the engine thread
-(`_solo_rounds`) with the same tokens. A float32 target, so the engine's fast path serves the rounds."""
+and what the in-process plain loop makes. A lone stream's rounds (Generate's, or one session's target-only
+Run) run back to back on the engine thread (`_back_to_back`) with the same tokens, and Run keeps its
+per-round messages and round log. A float32 target, so the engine's fast path serves the rounds."""
 
 from __future__ import annotations
 
@@ -49,6 +50,15 @@ def _open_and_run(stub, prompt, sampling) -> list[int]:
     return [opened.first_token_id] + [t for r in rounds for t in r.result.accepted_token_ids]
 
 
+def _run_beside_an_idle_session(stub, prompt, sampling) -> list[int]:
+    """OpenSession + Run while another session is open: Run's rounds go through the batcher."""
+    idle = stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=PROMPTS[2], sampling=sampling))
+    try:
+        return _open_and_run(stub, prompt, sampling)
+    finally:
+        stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=idle.session_id))
+
+
 def test_concurrent_generate_streams_share_forwards_and_match_run(service):
     model, handle, address = service
     engine = handle.servicer.engine
@@ -67,15 +77,39 @@ def test_concurrent_generate_streams_share_forwards_and_match_run(service):
         assert streamed == plain
         assert sequences == len(PROMPTS) * NEW_TOKENS  # one prefill and NEW_TOKENS - 1 rounds per stream
         assert forwards < sequences  # the streams' rounds rode in shared forwards
-        solo_before = handle.servicer.num_solo_rounds
+        # a lone Generate stream runs back to back; Run beside an idle second session takes the batcher
         for prompt in PROMPTS[:2]:
-            assert _generate(stub, prompt, _sampling(temperature=0.0)) == _open_and_run(stub, prompt, _sampling(temperature=0.0))
-            seeded = _sampling(temperature=1.0, seed=7)
-            assert _generate(stub, prompt, seeded) == _open_and_run(stub, prompt, seeded)
-        assert handle.servicer.num_solo_rounds > solo_before  # the lone streams ran their rounds back to back
+            for sampling in (_sampling(temperature=0.0), _sampling(temperature=1.0, seed=7)):
+                solo_before = handle.servicer.num_solo_rounds
+                alone = _generate(stub, prompt, sampling)
+                assert handle.servicer.num_solo_rounds - solo_before == NEW_TOKENS - 1
+                assert alone == _run_beside_an_idle_session(stub, prompt, sampling)
+                assert handle.servicer.num_solo_rounds - solo_before == NEW_TOKENS - 1  # Run was not alone
         # a long lone stream, ended by the caller partway: its job stops and its sequence is freed
         stream = stub.Generate(verify_pb2.VerifyGenerateRequest(prompt_token_ids=PROMPTS[0], sampling=common_pb2.SamplingParams(
             temperature=0.0, max_new_tokens=400, ignore_eos=True)), timeout=60)
         assert len(next(stream).token_ids) >= 1
         stream.cancel()
     assert wait_for(lambda: engine.num_free_blocks == free_before, 10)
+
+
+def test_a_lone_run_steps_back_to_back_and_keeps_its_round_log(service):
+    """One session's target-only Run, nobody else on the service: every round back to back on the engine
+    thread, each still its own message with its round index; max_rounds and a later Run go on from there."""
+    model, handle, address = service
+    sampling = _sampling(temperature=1.0, seed=11)
+    with grpc.insecure_channel(address) as ch:
+        stub = verify_pb2_grpc.VerifyServiceStub(ch)
+        batched = _run_beside_an_idle_session(stub, PROMPTS[1], sampling)
+        opened = stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=PROMPTS[1], sampling=sampling))
+        solo_before = handle.servicer.num_solo_rounds
+        first = list(stub.Run(verify_pb2.RunRequest(session_id=opened.session_id, max_rounds=5), timeout=60))
+        assert [r.result.round_index for r in first] == [0, 1, 2, 3, 4]
+        assert handle.servicer.num_solo_rounds - solo_before == 5
+        rest = list(stub.Run(verify_pb2.RunRequest(session_id=opened.session_id, round_index=5), timeout=60))
+        assert [r.result.round_index for r in rest] == list(range(5, NEW_TOKENS - 1))
+        assert rest[-1].result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert handle.servicer.num_solo_rounds - solo_before == NEW_TOKENS - 1
+        stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id))
+    tokens = [opened.first_token_id] + [t for r in first + rest for t in r.result.accepted_token_ids]
+    assert tokens == batched
