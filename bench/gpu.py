@@ -559,7 +559,7 @@ def bench_shape(name: str, args, s: Settings, report: Report) -> None:
     max_kv_tokens = max(s.batch_sizes) * (PROMPT_TOKENS + s.warmup_steps + s.batch_steps + 32) + 4 * (PROMPT_TOKENS + s.new_tokens)
     engine = NativeEngine(model, max_kv_tokens=max_kv_tokens)
     default_graphs = getattr(engine, "cuda_graphs", False)
-    modes = ("graphs", "eager") if default_graphs else ("eager",)
+    modes = tuple(m for m in args.modes.split(",") if m == "eager" or default_graphs) or ("eager",)
     bandwidth = report.meta["hbm_bytes_per_s"]
     roofline = bandwidth / model.weight_bytes if bandwidth else None
     report.record(name, "model", dict(
@@ -632,6 +632,8 @@ def main() -> int:
     parser.add_argument("--no-services", action="store_true", help="skip the Verify service over loopback")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 with --quick)")
+    parser.add_argument("--modes", default="graphs,eager", help="graphs (CUDA graphs on), eager (off); graphs only where the "
+                        "engine captures them")
     args = parser.parse_args()
     s = QUICK if args.quick else FULL
     s = Settings(**{**s.__dict__, "new_tokens": args.new_tokens or s.new_tokens, "runs": args.runs or s.runs})
@@ -639,6 +641,8 @@ def main() -> int:
     unknown = [shape for shape in shapes if shape not in SHAPES]
     if unknown:
         parser.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    if not args.modes or set(args.modes.split(",")) - {"graphs", "eager"}:
+        parser.error(f"--modes {args.modes!r}: a comma-separated list of graphs, eager")
     threads = args.threads or (1 if args.quick else None)
     if threads:
         torch.set_num_threads(threads)
