@@ -13,9 +13,6 @@ few rows by the same weights and should cost little more. MKL's sgemm (plain `F.
 - `int8-dynamic`: dynamic int8 (per-output-channel weights, activations quantized per call), CPU
   float32 input. Fast, but NOT batch-invariant (one activation scale per call: k + 1 rows verified
   together get other numbers than one at a time), so only for drafters.
-- a row kernel (`RowKernel`), on CUDA only: a plain bf16/fp16 layer whose calls of few rows (decode, verify
-  k + 1) `specmesh.models.gemv.choose_row_kernels` measured faster in Triton's batch-invariant row-wise
-  linear (specmesh/models/gemv_triton.py) than in `F.linear`; longer calls stay on `F.linear`.
 Low-bit weight-only layers (a `QuantWeight`) get `QuantLinear` (specmesh/models/lowbit), which is
 batch-invariant; `make_linear` / `fused_linear` pick the class from the weight.
 """
@@ -23,8 +20,7 @@ batch-invariant; `make_linear` / `fused_linear` pick the class from the weight.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,19 +45,8 @@ def default_kernel(dtype: torch.dtype, device: torch.device) -> str:
     return "plain"
 
 
-@dataclass(frozen=True)
-class RowKernel:
-    """Another kernel for calls of up to `max_rows` rows: run(x, weight, bias) -> y."""
-
-    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-    max_rows: int
-    config: Any  # the kernel's own settings, for reports
-
-
 class Linear:
     """y = x @ weight.T + bias for x: [num_tokens, in_features] -> [num_tokens, out_features]."""
-
-    row_kernel: RowKernel | None = None  # `plain` layers on CUDA: set by specmesh.models.gemv.choose_row_kernels
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "plain", keep_weight: bool = False):
         """keep_weight: keep the row-major `weight` beside a packed copy (the float32 fast path reads it)."""
@@ -89,9 +74,6 @@ class Linear:
         return self._plain_weight().numel() * self._plain_weight().element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self.row_kernel
-        if rows is not None and x.dim() == 2 and x.shape[0] <= rows.max_rows:
-            return rows.run(x, self._plain_weight(), self.bias)
         if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         if self.kernel == "int8-dynamic":

@@ -106,15 +106,7 @@ def load_engine(
 
             tensors = quantize_checkpoint(tensors, quantize, config.tie_word_embeddings)
         model = LlamaFamilyModel(config, tensors, torch_dtype, torch_device, kernel)
-        # before the engine captures its CUDA graphs: which layers' few-row calls take the Triton row kernel
-        row_kernel_report: list[dict] = []
-        if torch_device.type == "cuda" and torch_dtype in (torch.bfloat16, torch.float16):
-            from specmesh.models.gemv import choose_row_kernels
-
-            row_kernel_report = choose_row_kernels(model)
-        engine = NativeEngine(model, max_kv_tokens=max_kv_tokens, block_size=block_size, eos_token_ids=eos)
-        setattr(engine, "row_kernel_report", row_kernel_report)  # noqa: B010 - for bench/gpu.py (gemv.format_report)
-        return engine
+        return NativeEngine(model, max_kv_tokens=max_kv_tokens, block_size=block_size, eos_token_ids=eos)
     if quantize is not None:
         raise ValueError("quantize is only available with the native backend")
     from transformers import AutoModelForCausalLM
