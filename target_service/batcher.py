@@ -44,13 +44,12 @@ class VerifyResult:
     cost: ForwardCost | None = None  # the service's fit of a forward's cost, when determined
 
 
-def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall],
-                     on_launched: Callable[[], None] | None = None) -> list[VerifyResult | Exception]:
+def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall]) -> list[VerifyResult | Exception]:
     """Engine thread: one verify_many forward for all calls (per-call retries if it fails), with the
-    verifier's fitted forward cost as this batch's share (`on_launched`: `verify_many`'s)."""
+    verifier's fitted forward cost as this batch's share."""
     start = time.perf_counter()
     try:
-        outcomes = verifier.verify_many([c.session for c in calls], [c.proposal for c in calls], on_launched=on_launched)
+        outcomes = verifier.verify_many([c.session for c in calls], [c.proposal for c in calls])
     except Exception as batch_error:  # noqa: BLE001 - attributed below
         if len(calls) == 1:
             return [batch_error]

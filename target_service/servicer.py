@@ -60,7 +60,6 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.fused_drafter = fused_drafter
         self._generating = 0  # Generate streams in progress: callers of the batcher without a session id
         self.num_solo_rounds = 0  # rounds of a lone stream run back to back (_back_to_back)
-        self.defer_hand_over = engine.device.type != "cpu"  # (_back_to_back)
         self.solo_rounds = _spare_core(engine, self.engine_thread)  # (measured: on a 2-core CPU with a 2-thread engine
         # the event loop's writes then stall the engine's OpenMP team: 0.90x against 0.92x per round at a time)
         self.batcher = VerifyBatcher(self.engine_thread, self.verifier, options.batch_window_ms, options.max_batch_tokens, metrics,
@@ -323,7 +322,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
 
             done = 0
 
-            def target_only_round(launched: Callable[[], None]) -> verify_pb2.RunResponse | None:
+            def target_only_round() -> verify_pb2.RunResponse | None:
                 """Engine thread (or the event loop between batched rounds' awaits, never both): one
                 target-only round of this session, alone in its forward; None once the stream is done."""
                 nonlocal done
@@ -332,7 +331,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                 done += 1
                 proposal, kept, _ = self._prepare(session, DraftProposal(token_ids=[]), deterministic=True)
                 response = verify_pb2.RunResponse(
-                    result=self._recorded(request.session_id, session, proposal, kept, self._verify_alone(session.target, launched)))
+                    result=self._recorded(request.session_id, session, proposal, kept, self._verify_alone(session.target)))
                 session.rounds.remember(request, response)
                 return response
 
@@ -484,11 +483,11 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                     pb.stats.CopyFrom(stats_to_pb(event.stats))
                 return pb
 
-            def generate_round(launched: Callable[[], None]):
+            def generate_round():
                 if state.finished:
                     return None
                 state.next_k()
-                return _record(state, self._verify_alone(target, launched))
+                return _record(state, self._verify_alone(target))
 
             async def rounds():
                 yield response(state.start(target.pending_token_id, (time.perf_counter() - start) * 1e3))
@@ -518,10 +517,10 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             alone = self._generating == 1 and not self.num_sessions
         return self.solo_rounds and alone and not self.batcher.busy()
 
-    def _verify_alone(self, target: TargetSession, on_launched: Callable[[], None]) -> VerifyResult:
+    def _verify_alone(self, target: TargetSession) -> VerifyResult:
         """Engine thread: a target-only round as a batch of one (the forward the batcher would run)."""
         call = VerifyCall(target, DraftProposal(token_ids=[]))
-        result = run_verify_batch(self.verifier, [call], on_launched)[0]
+        result = run_verify_batch(self.verifier, [call])[0]
         if isinstance(result, Exception):
             raise result
         if self.batcher.on_batch is not None:
@@ -529,45 +528,28 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.num_solo_rounds += 1
         return result
 
-    async def _back_to_back(self, one_round: Callable[[Callable[[], None]], T | None],
-                            alone: Callable[[], bool]) -> AsyncIterator[T]:
+    async def _back_to_back(self, one_round: Callable[[], T | None], alone: Callable[[], bool]) -> AsyncIterator[T]:
         """Rounds of a lone stream (Generate's, or a session's target-only Run) back to back in one
         engine-thread job, each round's result handed to the event loop as it is made: no hop between
         the event loop and the engine thread per token. The job ends after SOLO_ROUNDS rounds, when
         `one_round` returns None (the stream is done), when `alone` no longer holds (a call for the
-        batcher, a session, another stream), or when the stream is gone.
-
-        `one_round(launched)` calls `launched()` once its forward is queued. On a GPU a round's result
-        is handed over there, in the next round, while the device computes: the event loop's work for
-        it (the message, its write) then shares the GIL with the wait on the device, not with the host
-        work that prepares the next forward. On a CPU the forward has finished when it returns, so each
-        result is handed over at once."""
+        batcher, a session, another stream), or when the stream is gone."""
         loop = asyncio.get_running_loop()
         results: asyncio.Queue = asyncio.Queue()
         stop = [False]
-        held: list[tuple[T]] = []  # the last round's result, until the next round's forward is queued
-
-        def hand_over() -> None:
-            while held:
-                loop.call_soon_threadsafe(results.put_nowait, held.pop())
 
         def steps() -> None:
             try:
                 for _ in range(SOLO_ROUNDS):
                     if stop[0] or not alone():
                         return
-                    result = one_round(hand_over)
-                    hand_over()  # a round that ran no forward
+                    result = one_round()
                     if result is None:
                         return
-                    held.append((result,))
-                    if not self.defer_hand_over:
-                        hand_over()
+                    loop.call_soon_threadsafe(results.put_nowait, (result,))
             except Exception as exc:  # noqa: BLE001 - handed over after the rounds before it
-                hand_over()
                 loop.call_soon_threadsafe(results.put_nowait, exc)
             finally:
-                hand_over()
                 loop.call_soon_threadsafe(results.put_nowait, None)  # the job's end
 
         job = asyncio.ensure_future(self.engine_thread.run(steps))

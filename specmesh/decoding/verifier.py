@@ -35,7 +35,7 @@ Prompt of 10 tokens, chunks of 4:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -184,19 +184,15 @@ class TargetVerifier:
         return self.verify_many([session], [proposal], keep_logits)[0]
 
     def verify_many(self, sessions: Sequence[TargetSession], proposals: Sequence[DraftProposal],
-                    keep_logits: bool = False, on_launched: Callable[[], None] | None = None) -> list[VerifyOutcome]:
+                    keep_logits: bool = False) -> list[VerifyOutcome]:
         """Verify each session's proposal (an empty one = plain decoding) in one engine forward.
-        `keep_logits` puts the logits that judged each emitted token in `VerifyOutcome.logits`.
-        `on_launched` is called once the forward has returned and before its logits are read: on a GPU
-        the forward is then queued on the device, and the host is free until the acceptance's read-back."""
+        `keep_logits` puts the logits that judged each emitted token in `VerifyOutcome.logits`."""
         inputs = [self._forward_input(s, pr) for s, pr in zip(sessions, proposals)]
         start = time.perf_counter()
         logits = self.engine.forward(inputs)
         num_fed = sum(len(item.token_ids) for item in inputs)
         if num_fed == sum(1 + proposal.num_tokens for proposal in proposals):  # rounds only, no catch-up
             self._round_costs.observe(num_fed, (time.perf_counter() - start) * 1e3)
-        if on_launched is not None:
-            on_launched()
         logits = [rows if s.constraint is None else s.constraint.constrain(rows, pr)
                   for s, pr, rows in zip(sessions, proposals, logits)]
         outcomes = accept_batch(logits, proposals, [s.params for s in sessions], [s.generator for s in sessions],
