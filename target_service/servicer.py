@@ -322,11 +322,14 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
 
             done = 0
 
+            def rounds_left() -> bool:
+                return session.round.finish_reason is None and (not request.max_rounds or done < request.max_rounds)
+
             def target_only_round() -> verify_pb2.RunResponse | None:
                 """Engine thread (or the event loop between batched rounds' awaits, never both): one
                 target-only round of this session, alone in its forward; None once the stream is done."""
                 nonlocal done
-                if session.round.finish_reason is not None or (request.max_rounds and done >= request.max_rounds):
+                if not rounds_left():
                     return None
                 done += 1
                 proposal, kept, _ = self._prepare(session, DraftProposal(token_ids=[]), deterministic=True)
@@ -337,7 +340,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
 
             async def rounds():
                 nonlocal done
-                while session.round.finish_reason is None and (not request.max_rounds or done < request.max_rounds):
+                while rounds_left():
                     if not request.draft and self._alone(session_running=True):  # rounds back to back on the engine thread
                         async for response in self._back_to_back(target_only_round, lambda: self._alone(session_running=True)):
                             yield response
