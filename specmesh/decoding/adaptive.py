@@ -7,7 +7,9 @@ token, a fixed prior: small because decoding is memory-bound; `bench/engine.py` 
 The policy picks the k in {0} ∪ [k_min, k_max] with the most tokens per ms. When k = 0 wins, a
 probe round with k_min is still made every `probe_every` rounds so a change in acceptance
 (a repetitive stretch of text, say) is noticed; unless a draft token costs more than the verify time it
-could save (`could_pay`), which no acceptance can make up for. Before the first round, the costs this
+could save (`could_pay`), which no acceptance can make up for, or the probe's catch-up costs more than
+perfect drafts could win back before the request ends (`probe_pays`): a model drafter first takes in
+every token it has not seen (the plain rounds' tokens; the prompt, if it never drafted). Before the first round, the costs this
 process has measured of its engines (`prior_costs`) choose the first k, so a drafter that cannot pay on
 this hardware (a bf16 self-draft on a CPU without bf16 kernels, say) is never run.
 
@@ -37,6 +39,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """What the next round faces, as the driver's state knows it after this one: `catch_up_tokens`
+    the drafter must take in before it can draft (tokens of plain rounds it was not told; the prompt,
+    if it never drafted), `tokens_left` the request may still emit."""
+
+    catch_up_tokens: int
+    tokens_left: int
 
 
 @dataclass(frozen=True)
@@ -107,8 +119,9 @@ class KPolicy(Protocol):
     def next_k(self) -> int: ...
 
     def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
-               cost: ForwardCost | None = None, catch_up: bool = False) -> None:
-        """`catch_up`: the drafter first absorbed tokens of plain rounds (its draft_ms includes that)."""
+               cost: ForwardCost | None = None, catch_up: int = 0, outlook: Outlook | None = None) -> None:
+        """`catch_up`: tokens the drafter first took in that a round after a draft would not have
+        brought (plain rounds' tokens, the prompt; its draft_ms includes them); `outlook`: the next round's."""
         ...
 
     def pays(self, acceptance: float) -> bool:
@@ -139,6 +152,7 @@ class AdaptiveK:
         self._beta_measured = False  # beta is still the prior
         self.draft_ms_per_token: float | None = None
         self.decode_ms: float | None = None  # v1
+        self.catch_up_ms_per_token: float | None = None  # measured on catch-up rounds (`probe_pays`)
         self._rounds_at_zero = 0
         self._probe_interval = self.probe_every
         self._k = self.k_init
@@ -163,12 +177,30 @@ class AdaptiveK:
             return True
         return self.draft_ms_per_token < self.decode_ms * (1.0 - self.beta)
 
+    def probe_pays(self, outlook: Outlook | None) -> bool:
+        """Whether a probe could win back its catch-up: the most a draft token can save,
+        decode_ms (1 - beta) - draft_ms (every token accepted, k unbounded), over the tokens the
+        request may still emit, against the catch-up's cost (`catch_up_ms`). A bf16 self-draft on a
+        CPU, probed after a plain stretch, would prefill the whole context in bf16 for one token."""
+        if outlook is None or self.draft_ms_per_token is None or self.decode_ms is None:
+            return True
+        margin = self.decode_ms * (1.0 - self.beta) - self.draft_ms_per_token
+        return outlook.tokens_left * margin > outlook.catch_up_tokens * self.catch_up_ms()
+
+    def catch_up_ms(self) -> float:
+        """ms per token a drafter takes to catch up: measured on catch-up rounds, else the prior: a
+        token of a forward costs what the target's verify forward adds per token, beta of a step."""
+        if self.catch_up_ms_per_token is not None:
+            return self.catch_up_ms_per_token
+        return (self.draft_ms_per_token or 0.0) * self.beta
+
     def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
-               cost: ForwardCost | None = None, catch_up: bool = False) -> None:
+               cost: ForwardCost | None = None, catch_up: int = 0, outlook: Outlook | None = None) -> None:
         """Fold one round in and choose the next k; `cost` (when the verifier reports it) replaces
         the prior beta by the measured, load-aware one. A `catch_up` round's draft time (a model
         drafter feeding the tokens of the plain rounds before it) says little of a draft token's
-        cost, and would keep a policy at k = 0 there: it is used only while nothing better is known."""
+        cost, and would keep a policy at k = 0 there: it is used only while nothing better is known;
+        what it took beyond its drafts' cost, per token taken in, is the catch-up cost (`probe_pays`)."""
         if cost is not None:  # the first report replaces the prior; later ones are averaged in
             self.beta = self._ema(self.beta if self._beta_measured else None, cost.beta())
             self._beta_measured = True
@@ -178,10 +210,13 @@ class AdaptiveK:
             self.acceptance = 1 - (1 - self.acceptance) * keep**num_accepted
             if num_accepted < num_drafted:
                 self.acceptance *= keep
-            if not catch_up or self.draft_ms_per_token is None:
+            if catch_up and self.draft_ms_per_token is not None:
+                extra = max(0.0, draft_ms - num_drafted * self.draft_ms_per_token)
+                self.catch_up_ms_per_token = self._ema(self.catch_up_ms_per_token, extra / catch_up)
+            else:
                 self.draft_ms_per_token = self._ema(self.draft_ms_per_token, draft_ms / num_drafted)
         self.decode_ms = self._ema(self.decode_ms, verify_ms / (1.0 + self.beta * num_drafted))
-        self._k = self._choose(num_drafted)
+        self._k = self._choose(num_drafted, outlook)
 
     def pays(self, acceptance: float) -> bool:
         """A first draft token pays for its verification when it is accepted with probability above
@@ -202,13 +237,13 @@ class AdaptiveK:
             candidates.append(0)
         return max(candidates, key=self.speed)
 
-    def _choose(self, last_k: int) -> int:
+    def _choose(self, last_k: int, outlook: Outlook | None = None) -> int:
         best = self._best()
         if best != 0:
             self._probe_interval = self.probe_every
         else:
             self._rounds_at_zero = self._rounds_at_zero + 1 if last_k == 0 else 1
-            if self._rounds_at_zero >= self._probe_interval and self.could_pay():
+            if self._rounds_at_zero >= self._probe_interval and self.could_pay() and self.probe_pays(outlook):
                 self._rounds_at_zero = 0
                 self._probe_interval = min(2 * self._probe_interval, max(self.probe_every, self.max_probe_every))
                 return self.k_min
@@ -228,7 +263,7 @@ class FixedK:
         return self.k
 
     def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,
-               cost: ForwardCost | None = None, catch_up: bool = False) -> None:
+               cost: ForwardCost | None = None, catch_up: int = 0, outlook: Outlook | None = None) -> None:
         return None
 
     def pays(self, acceptance: float) -> bool:

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, KPolicy
+from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, KPolicy, Outlook
 from specmesh.decoding.detokenize import TextStream
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
@@ -131,6 +131,8 @@ class SpeculationState:
         self.num_tokens = num_prompt_tokens  # prompt + every token the target emitted (the pending one too)
         self._emitted: list[int] = []  # every token the target emitted, also past a finish (what the KV saw)
         self._num_told_drafter = 0
+        self._drafter_primed = False  # the drafter was asked once (it took in the prompt then)
+        self._round_catch_up = 0  # tokens this round's ask brought that a round after a draft would not
         # plain stretches apply to a policy's k only (a caller's fixed k is kept)
         self._stretches = plain_stretches and has_drafter and not isinstance(self.k_policy, FixedK)
         self._fruitless_rounds = 0  # rounds in a row that accepted no draft token (a stretch's not counted)
@@ -223,9 +225,17 @@ class SpeculationState:
     def take_draft_input(self) -> list[int]:
         """Tokens the sequence grew by since the drafter was last told (the `accepted_since_last`
         of `Drafter.propose`); telling it is the caller's job once this returns."""
+        up_to_date = self._drafter_primed and self._last_round_drafted  # it brings the verdict on its draft
+        self._round_catch_up = 0 if up_to_date else self._catch_up_tokens()
         new = self._emitted[self._num_told_drafter:]
         self._num_told_drafter = len(self._emitted)
+        self._drafter_primed = True
         return new
+
+    def _catch_up_tokens(self) -> int:
+        """Tokens the drafter takes in at its next ask: those emitted since it was last told, and the
+        prompt if it was never asked (a model drafter prefills it lazily, with its first proposal)."""
+        return len(self._emitted) - self._num_told_drafter + (0 if self._drafter_primed else self.num_prompt_tokens)
 
     def record(
         self,
@@ -243,8 +253,12 @@ class SpeculationState:
         if len(token_ids) != num_accepted + 1:
             raise ValueError(f"a round emits num_accepted + 1 = {num_accepted + 1} tokens, got {len(token_ids)}")
         self.stats.record_round(num_drafted, num_accepted, draft_ms, verify_ms)
-        catch_up = num_drafted > 0 and not self._last_round_drafted
-        self.k_policy.update(num_drafted, num_accepted, draft_ms, verify_ms, cost, catch_up=catch_up)
+        catch_up = self._round_catch_up if num_drafted > 0 else 0
+        self._round_catch_up = 0
+        # the next round's catch-up, were it to draft: what this one leaves untold, and its own tokens
+        outlook = Outlook(self._catch_up_tokens() + len(token_ids) if num_drafted == 0 else 0,
+                          self.params.max_new_tokens - len(self.generated) - len(token_ids))
+        self.k_policy.update(num_drafted, num_accepted, draft_ms, verify_ms, cost, catch_up=catch_up, outlook=outlook)
         self._last_round_drafted = num_drafted > 0
         self._count_fruitless(num_accepted)
         return self._emit(list(map(int, token_ids)), num_drafted, num_accepted)

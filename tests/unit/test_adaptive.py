@@ -2,7 +2,7 @@
 
 import pytest
 
-from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, LinearCostFit, expected_tokens
+from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, LinearCostFit, Outlook, expected_tokens
 from specmesh.decoding.stats import SpecStats
 
 
@@ -171,3 +171,42 @@ def test_prior_costs_stand_in_only_until_rounds_measure():
     unknown = AdaptiveK()
     unknown.prior_costs(None, 38.0)  # nothing measured of the drafter: the old start
     assert unknown.next_k() == unknown.k_init and unknown.could_pay()
+
+
+def _probes(outlook: Outlook | None, rounds: int = 20) -> int:
+    """A bf16 self-draft on this CPU: 29 ms a draft token against a 22 ms step (no k pays, k = 0 from
+    the start), then steps measured at 36 ms (the machine got busy): a draft token now costs less than
+    the verify time it could save, so probes are due again. How many of `rounds` rounds drafted."""
+    policy = AdaptiveK(probe_every=2, max_probe_every=4)
+    policy.prior_costs(draft_ms_per_token=29.0, decode_ms=22.0)
+    assert policy.next_k() == 0 and not policy.could_pay()
+    ks = []
+    for _ in range(rounds):
+        k = policy.next_k()
+        ks.append(k)
+        policy.update(k, 0, draft_ms=29.0 * k, verify_ms=36.0, outlook=outlook)
+    assert policy.could_pay()
+    return sum(k > 0 for k in ks)
+
+
+def test_a_probe_whose_catch_up_perfect_drafts_could_not_win_back_is_not_made():
+    """Issue 30's make demo run 2: after a plain stretch, one probe made the bf16 drafter prefill the
+    whole context (905 ms) for one draft token. The catch-up prior, beta of a draft step per token:
+    0.1 * 29 = 2.9 ms, 80 tokens = 232 ms, against at most 36 * 0.9 - 29 = 3.4 ms saved per token."""
+    assert _probes(Outlook(catch_up_tokens=80, tokens_left=40)) == 0
+    assert _probes(Outlook(catch_up_tokens=80, tokens_left=400)) >= 2
+    assert _probes(Outlook(catch_up_tokens=0, tokens_left=40)) >= 2
+    assert _probes(None) >= 2  # nothing known of the next round
+
+
+def test_catch_up_rounds_measure_the_catch_up_cost_not_a_draft_token():
+    """A catch-up round's draft time beyond its drafts' (at the known per-token cost) is the catch-up's,
+    per token taken in; a free drafter (n-gram lookups) has a free catch-up, and always probes."""
+    policy = AdaptiveK()
+    policy.update(2, 2, draft_ms=2 * 5.0, verify_ms=30.0)
+    policy.update(2, 1, draft_ms=2 * 5.0 + 40 * 1.5, verify_ms=30.0, catch_up=40)
+    assert policy.draft_ms_per_token == pytest.approx(5.0) and policy.catch_up_ms() == pytest.approx(1.5)
+    assert not policy.probe_pays(Outlook(catch_up_tokens=1000, tokens_left=10))
+    free = AdaptiveK()
+    free.update(4, 0, draft_ms=0.0, verify_ms=30.0, catch_up=50)
+    assert free.catch_up_ms() == 0.0 and free.probe_pays(Outlook(catch_up_tokens=10_000, tokens_left=1))

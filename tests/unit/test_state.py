@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specmesh.decoding.adaptive import FixedK
+from specmesh.decoding.adaptive import FixedK, Outlook
+from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.state import FinishReason, SpeculationState
 
@@ -87,3 +88,41 @@ def test_tokens_past_a_finish_still_reach_the_drafter_bookkeeping():
     state.record(1, 1, [8, 9])  # LENGTH after 8; 9 was emitted by the target all the same
     assert state.generated == [7, 8]
     assert state.take_draft_input() == [7, 8, 9]
+
+
+class _Recording(FixedK):
+    """A fixed k that keeps what the state told it each round."""
+
+    def __init__(self, ks: list[int]):
+        super().__init__(0)
+        self.ks, self.told = ks, []
+
+    def next_k(self) -> int:
+        return self.ks[len(self.told)]
+
+    def update(self, num_drafted, num_accepted, draft_ms, verify_ms, cost=None, catch_up=0, outlook=None):
+        self.told.append((num_drafted, catch_up, outlook))
+
+
+def test_the_policy_hears_each_rounds_catch_up_and_the_next_rounds_outlook():
+    """Catch-up: what a draft round's ask brought beyond the verdict on a draft the round before (the
+    prompt and the first token on the first ask; the plain rounds' tokens after a stretch the drafter
+    sat out). The outlook: what the next round's ask would bring were it to draft, and the tokens left."""
+    policy = _Recording([2, 0, 0, 0, 3, 1])
+    state = SpeculationState(SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True),
+                             num_prompt_tokens=10, max_context=64, k_policy=policy)
+    state.start(100)  # generated: 1
+    for drafted, accepted, tokens in ((2, 1, [101, 102]), (0, 0, [103]), (0, 0, [104]), (0, 0, [105]),
+                                      (3, 3, [106, 107, 108, 109]), (1, 0, [110])):
+        step = state.draft_step(state.next_k())
+        if step.asks:
+            step.take(DraftProposal(token_ids=list(range(drafted))))
+        state.record(drafted, accepted, tokens)
+    assert policy.told == [
+        (2, 10 + 1, Outlook(0, 17)),  # the first ask: the prompt and the first token
+        (0, 0, Outlook(1, 16)),  # asked for the verdict (k = 0): the next ask brings this round's token
+        (0, 0, Outlook(2, 15)),  # not asked: tokens pile up
+        (0, 0, Outlook(3, 14)),
+        (3, 3, Outlook(0, 10)),  # caught up on 3 plain tokens; the next round hears its verdict only
+        (1, 0, Outlook(0, 9)),
+    ]
