@@ -271,6 +271,13 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         return response
 
     @rpc_method
+    async def ProposeStream(self, requests, context):
+        """Propose, a message at a time, on one stream: each round is counted and timed as a Propose call
+        (its own metrics), and one that fails ends the stream with Propose's status."""
+        async for request in requests:
+            yield draft_pb2.ProposeStreamResponse(round=await self.Propose(request.round, context))
+
+    @rpc_method
     async def CloseSession(self, request: draft_pb2.DraftCloseSessionRequest, context) -> draft_pb2.DraftCloseSessionResponse:
         return draft_pb2.DraftCloseSessionResponse(existed=await self.close_session(request.session_id))
 

@@ -157,8 +157,8 @@ class Edge:
     def handler(self, servicer: Any, method: MethodDescriptor, max_request_bytes: int) -> grpc.RpcMethodHandler | None:
         """The method's handler over raw request bytes; None for one the servicer leaves to the
         generated base class (grpc then answers UNIMPLEMENTED)."""
-        if method.client_streaming:
-            raise ValueError(f"{method.full_name}: client-streaming methods are not supported")
+        if method.client_streaming and not method.server_streaming:
+            raise ValueError(f"{method.full_name}: client-streaming methods are supported only as bidirectional ones")
         implementation = getattr(type(servicer), method.name, None)
         if implementation is None or implementation.__module__.endswith("_pb2_grpc"):
             return None
@@ -168,21 +168,70 @@ class Edge:
         metrics: ServiceMetrics | None = getattr(servicer, "metrics", None)
         path = f"{method.containing_service.full_name}/{method.name}"
 
-        async def admit(raw: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+        def parse(raw: bytes) -> Any:
+            if len(raw) > max_request_bytes:
+                raise ValueError(f"request of {len(raw)} bytes is larger than the {max_request_bytes}-byte limit of {path}")
+            try:
+                return request_cls.FromString(raw)
+            except DecodeError as exc:
+                raise ValueError(f"undecodable {method.input_type.full_name}: {exc}") from None
+
+        async def refused(context: grpc.aio.ServicerContext, exc: Exception):
+            code = status_for(exc)
+            if metrics is not None:
+                metrics.requests.labels(method.name, code.name).inc()
+            await context.abort(code, message_for(exc, code))
+
+        async def admit(raw: bytes | None, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
+            """(the request, None for a stream of them; the caller's principal), or the call refused."""
             try:
                 principal = self.policy.resolve(context.invocation_metadata() or (), context.auth_context())
-                if len(raw) > max_request_bytes:
-                    raise ValueError(f"request of {len(raw)} bytes is larger than the {max_request_bytes}-byte limit of {path}")
-                try:
-                    return request_cls.FromString(raw), principal
-                except DecodeError as exc:
-                    raise ValueError(f"undecodable {method.input_type.full_name}: {exc}") from None
+                return (None if raw is None else parse(raw)), principal
             except Exception as exc:  # noqa: BLE001 - auth errors and ValueError, mapped by status_for
-                code = status_for(exc)
-                if metrics is not None:
-                    metrics.requests.labels(method.name, code.name).inc()
-                await context.abort(code, message_for(exc, code))
+                await refused(context, exc)
                 raise  # not reached: abort raises
+
+        async def write_all(responses, context: grpc.aio.ServicerContext) -> None:
+            # A coroutine that writes each response, not an async generator handed to grpc: grpc
+            # drops a generator at its `yield` when the client leaves (the call's task is cancelled
+            # while it sends), and the garbage collector finalizes it later in a task of its own,
+            # where resetting the principal fails ("created in a different Context") and the
+            # servicer's `finally` blocks (closing sessions downstream) run late. Here the
+            # cancellation lands in this task: the servicer's generator is closed (aclosing) and
+            # the principal reset now, in this call's context.
+            async with aclosing(responses) as items:
+                async for response in items:
+                    await context.write(response)
+
+        if method.client_streaming:  # bidirectional: the caller is admitted once, each request parsed as it comes
+            if not inspect.isasyncgenfunction(call):
+                raise TypeError(f"{path}: expected an async generator method")
+
+            async def requests(first: bytes, raws, context: grpc.aio.ServicerContext):
+                raw: bytes | None = first
+                while raw is not None:
+                    try:
+                        request = parse(raw)
+                    except ValueError as exc:
+                        await refused(context, exc)
+                        raise
+                    yield request
+                    raw = await anext(raws, None)
+
+            async def bidi(raws, context: grpc.aio.ServicerContext) -> None:
+                raws = aiter(raws)
+                first = await anext(raws, None)  # admitted once its first request is in: a refusal then never
+                if first is None:  # races the caller's write (which would fail INTERNAL on its side)
+                    return
+                _, principal = await admit(None, context)
+                self.num_calls += 1
+                try:
+                    with principal_scope(principal):
+                        await write_all(call(requests(first, raws, context), context), context)
+                finally:
+                    self.num_calls -= 1
+
+            return grpc.stream_stream_rpc_method_handler(bidi, request_deserializer=None, response_serializer=serialize)
 
         if method.server_streaming:
             if not inspect.isasyncgenfunction(call):
@@ -192,17 +241,8 @@ class Edge:
                 request, principal = await admit(raw, context)
                 self.num_calls += 1
                 try:
-                    # A coroutine that writes each response, not an async generator handed to grpc: grpc
-                    # drops a generator at its `yield` when the client leaves (the call's task is cancelled
-                    # while it sends), and the garbage collector finalizes it later in a task of its own,
-                    # where resetting the principal fails ("created in a different Context") and the
-                    # servicer's `finally` blocks (closing sessions downstream) run late. Here the
-                    # cancellation lands in this task: the servicer's generator is closed (aclosing) and
-                    # the principal reset now, in this call's context.
                     with principal_scope(principal):
-                        async with aclosing(call(request, context)) as responses:
-                            async for response in responses:
-                                await context.write(response)
+                        await write_all(call(request, context), context)
                 finally:
                     self.num_calls -= 1
 
