@@ -258,6 +258,8 @@ def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float
     their RPC threads, and with `engine_ms_per_call`, on their engine threads."""
     requests = level["requests"]
     speculation: dict = {"k": out["k"], "acceptance_marginal": level["acceptance_marginal"] or [0.0]}
+    if out.get("draft_ahead"):
+        speculation.update(draft_ahead=True, guess_rate=guess_rate(level["acceptance_marginal"]))
     if all(r["rounds"] for r in requests):
         speculation["acceptance_per_request"] = [
             round_counts(r["rounds"], r["accepted_per_position"], r["index"]) if r.get("accepted_per_position") is not None
@@ -281,6 +283,15 @@ def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float
     }
 
 
+def guess_rate(marginal: list[float]) -> float:
+    """How often a draft ahead's guess of the target's token after the k drafts holds (given all k were
+    accepted), for the simulator: the measured acceptance at the last drafted position given the one
+    before, marginal[k-1] / marginal[k-2] (the position after the k drafts is not measured)."""
+    if len(marginal) < 2 or marginal[-2] <= 0:
+        return marginal[0] if marginal else 0.0
+    return min(1.0, marginal[-1] / marginal[-2])
+
+
 def simulate_level(config: dict) -> dict:
     sim = Simulation(config_from_dict(config))
     result = sim.run()
@@ -297,6 +308,7 @@ def simulate_level(config: dict) -> dict:
             "verify_batch_ms_mean": devices["target"].busy_s / max(1, devices["target"].num_jobs) * 1e3,
             "draft_rows_mean": devices["draft"].mean_batch_rows, "verify_rows_mean": devices["target"].mean_batch_rows,
             "core_utilisation": result.summary["hosts"]["localhost"]["core_utilisation"] * result.summary["window_s"] / makespan,
+            "ahead_served_tokens": sim.ahead_served_tokens,
             **{f"{name}_cores": process["cpu_s"] / makespan for name, process in result.summary["processes"].items()}}
 
 
@@ -399,7 +411,7 @@ def fit_latency(make_configs, target_tokens_per_s: float, high: float = 500.0) -
 
 
 METRIC = re.compile(r'^specmesh_(request_seconds_sum|request_seconds_count|batch_size_sum|batch_size_count|batch_tokens_sum|'
-                    r'forwards_total|draft_tokens_total)(?:\{method="(\w+)"\})? (\S+)$')
+                    r'forwards_total|draft_tokens_total|ahead_served_tokens|ahead_dropped_tokens)(?:\{method="(\w+)"\})? (\S+)$')
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -436,6 +448,9 @@ def service_means(before: dict[str, float], after: dict[str, float]) -> dict[str
             out["tokens_per_row_mean"] = diff["batch_tokens_sum"] / diff["batch_size_sum"]
     if "draft_tokens_total" in diff:
         out["draft_tokens"] = diff["draft_tokens_total"]
+    for name in ("ahead_served_tokens", "ahead_dropped_tokens"):
+        if name in diff:
+            out[name] = diff[name]
     return out
 
 
@@ -457,6 +472,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="run the live levels this many times (interleaved); "
                         "the comparison takes the medians")
     parser.add_argument("--quick", action="store_true", help="concurrency 1 4, 2 requests per client, 32 new tokens")
+    parser.add_argument("--draft-ahead", action="store_true", help="the Draft service drafts ahead (`draft_ahead`), and "
+                        "so does the simulated one; results in sim_validate_ahead.{md,json} unless --name says otherwise")
+    parser.add_argument("--tables-from", metavar="JSON", help="take the cost tables (and their profile's CPU figures) from "
+                        "this results file instead of profiling again (validation runs of one calibration)")
+    parser.add_argument("--name", help="results file stem under bench/results (default sim_validate[_ahead])")
     parser.add_argument("--resimulate", metavar="JSON", help="skip the profile and the live run: simulate again the tables and "
                         "live levels kept in this results file (e.g. after a simulator change)")
     args = parser.parse_args()
@@ -475,17 +495,22 @@ def main() -> int:
     prompts = [[{"role": "user", "content": t}] for t in DEFAULT_PROMPTS]
     prompt_lengths = [len(chat_prompt_ids(tokenizer, t)) for t in DEFAULT_PROMPTS]
     out: dict = {"machine": platform.processor() or platform.machine(), "cores": args.cores, "threads": args.threads, "k": args.k,
+                 "draft_ahead": args.draft_ahead, "name": args.name or ("sim_validate_ahead" if args.draft_ahead else "sim_validate"),
                  "load_average_before": os.getloadavg(), "quick": args.quick, "repeats": args.repeats,
                  "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client, "levels": []}
     with tempfile.TemporaryDirectory() as tmp:
-        tables, out["profile_cpu"] = profile_tables(folder, args.threads, max(prompt_lengths), args.max_new_tokens, max(args.concurrency),
-                                                    Path(tmp))
-        out["tables"] = {role: json.loads(Path(path).read_text()) for role, path in tables.items()}
+        if args.tables_from:
+            kept = json.loads(Path(args.tables_from).read_text())
+            out["tables"], out["profile_cpu"], out["tables_from"] = kept["tables"], kept.get("profile_cpu", {}), args.tables_from
+        else:
+            tables, out["profile_cpu"] = profile_tables(folder, args.threads, max(prompt_lengths), args.max_new_tokens,
+                                                        max(args.concurrency), Path(tmp))
+            out["tables"] = {role: json.loads(Path(path).read_text()) for role, path in tables.items()}
         RESULTS.mkdir(parents=True, exist_ok=True)
         common = {"model": folder, "port": 0, "torch_threads": args.threads, "metrics_port": 0}
         cluster_yaml = Path(tmp) / "cluster.yaml"
         cluster_yaml.write_text(yaml.safe_dump({"defaults": {"device": "cpu", "host": "127.0.0.1"}, "services": {
-            "draft": {"kind": "draft", "drafter": "model", "dtype": "bfloat16", **common},
+            "draft": {"kind": "draft", "drafter": "model", "dtype": "bfloat16", "draft_ahead": args.draft_ahead, **common},
             "verify": {"kind": "verify", "dtype": "float32", **common},
             "coordinator": {"kind": "coordinator", "port": 0, "torch_threads": 1},
         }}))
@@ -537,7 +562,7 @@ def main() -> int:
                 print(f"live c={c} (repeat {repeat + 1} of {args.repeats}): {live[-1]['tokens_per_s']:.1f} tok/s, p50 {live[-1]['p50_s']:.2f} s, cpu {cpu}, {services}", flush=True)
 
         out["live"] = live
-        (RESULTS / "sim_validate.json").write_text(json.dumps(out, indent=1) + "\n")  # the live data, kept even if the sim fails
+        (RESULTS / f"{out['name']}.json").write_text(json.dumps(out, indent=1) + "\n")  # the live data, kept even if the sim fails
         compare(out)
     return 0
 
@@ -578,7 +603,8 @@ def live_figures(group: list[dict]) -> dict[str, float]:
     for name, service, key in (("propose_ms", "draft", "Propose_ms_mean"), ("verify_ms", "verify", "Verify_ms_mean"),
                                ("draft_rows", "draft", "rows_per_batch_mean"), ("verify_rows", "verify", "rows_per_batch_mean"),
                                ("draft_open_ms", "draft", "OpenSession_ms_mean"), ("draft_close_ms", "draft", "CloseSession_ms_mean"),
-                               ("verify_close_ms", "verify", "CloseSession_ms_mean")):
+                               ("verify_close_ms", "verify", "CloseSession_ms_mean"),
+                               ("ahead_served", "draft", "ahead_served_tokens"), ("ahead_dropped", "draft", "ahead_dropped_tokens")):
         figures[name] = median(level["services"].get(service, {}).get(key) for level in group)
     return figures
 
@@ -752,7 +778,7 @@ def compare(out: dict) -> None:
                 levels.append(level)
             out["variants"][variant] = {"fitted_latency_ms": latency_ms, "levels": levels}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sim_validate.json").write_text(json.dumps(out, indent=1) + "\n")
+    (RESULTS / f"{out.get('name', 'sim_validate')}.json").write_text(json.dumps(out, indent=1) + "\n")
 
     def cpu_note(group: list[dict]) -> str:
         cpus = [level.get("cpu") for level in group]
@@ -769,9 +795,13 @@ def compare(out: dict) -> None:
     slowed = ", ".join(f"{role} {table['meta'].get('wall_over_cpu', float('nan')):.2f}" for role, table in out["tables"].items())
     loads = ", ".join(f"{level['load_average_1m'][0]:.1f}" for level in live)
     repeats = max(len(group) for group in groups)
-    flags = (" --quick" if out["quick"] else "") + (f" --repeats {repeats}" if repeats != 2 else "")
+    flags = ((" --quick" if out["quick"] else "") + (f" --repeats {repeats}" if repeats != 2 else "")
+             + (" --draft-ahead" if out.get("draft_ahead") else "")
+             + (f" --tables-from {out['tables_from']}" if out.get("tables_from") else "")
+             + (f" --name {out['name']}" if out.get("name", "sim_validate") not in ("sim_validate", "sim_validate_ahead") else ""))
     lines = ["# Simulator vs the live cluster", "",
-             f"`.venv/bin/python bench/sim_validate.py{flags}`: default model, Draft (bf16 self-draft) + "
+             f"`.venv/bin/python bench/sim_validate.py{flags}`: default model, Draft (bf16 self-draft"
+             f"{', drafting ahead: the simulated one too, guess rate from the measured acceptance' if out.get('draft_ahead') else ''}) + "
              f"Verify (fp32) + Coordinator on loopback, {out['threads']} torch thread(s) per model process, k = {out['k']}, greedy, "
              f"{out['requests_per_client']} requests per client, up to {out['max_new_tokens']} new tokens; the levels run {repeats} "
              f"time(s), interleaved: live figures are the medians over the repeats (min-max in brackets), each repeat is simulated "
@@ -808,6 +838,12 @@ def compare(out: dict) -> None:
                          f"{a['verify_ms']:.0f} / {b['verify_batch_ms_mean']:.0f} | {a['draft_rows']:.2f} / {b['draft_rows_mean']:.2f} | "
                          f"{a['verify_rows']:.2f} / {b['verify_rows_mean']:.2f} | {b['core_utilisation']:.0%} |")
         lines.append("")
+        if out.get("draft_ahead"):
+            served = "; ".join(f"c = {lv['clients']}: {lv['live']['ahead_served']:.0f} / {lv['sim']['ahead_served_tokens']:.0f}"
+                               for lv in result["levels"])
+            dropped = ", ".join(f"{lv['live']['ahead_dropped']:.0f}" for lv in result["levels"])
+            lines += [f"Draft tokens served from drafts ahead, live / sim (medians over the repeats): {served}; "
+                      f"drafted ahead and dropped live: {dropped}.", ""]
         if variant == "measured_cpu":
             lines += measured_cpu_table(out, result)
     lines += ["## Reading the tables", "", *reading(out),
@@ -820,7 +856,7 @@ def compare(out: dict) -> None:
               "variant shows what is left once the background is known: it fits the background on c = 1 in place of the "
               "message latency (measured instead, from the services' metrics)."]
     text = "\n".join(lines) + "\n"
-    (RESULTS / "sim_validate.md").write_text(text)
+    (RESULTS / f"{out.get('name', 'sim_validate')}.md").write_text(text)
     print(text)
 
 
