@@ -312,6 +312,10 @@ def simulate_level(config: dict) -> dict:
             **{f"{name}_cores": process["cpu_s"] / makespan for name, process in result.summary["processes"].items()}}
 
 
+# not per-session messages: the pools' health checks; a ProposeStream (its rounds are counted as the Propose calls they are)
+NOT_MESSAGES = ("GetInfo", "ProposeStream")
+
+
 def messages_handled(level: dict) -> dict[str, int]:
     """The messages the bench client and the Coordinator handled in a live level, counted as the
     simulator counts them (specmesh/sim/cluster.py): the client, per request, its request, the first
@@ -320,7 +324,7 @@ def messages_handled(level: dict) -> dict[str, int]:
     pools' GetInfo health checks)."""
     services = level["services"]
     calls = sum(count for service in services.values() for key, count in service.items()
-                if key.endswith("_calls") and not key.startswith("GetInfo"))
+                if key.endswith("_calls") and not key.startswith(NOT_MESSAGES))
     client = 2 * level["num_requests"] + int(services["verify"]["Verify_calls"])
     return {"clients": client, "coordinator": int(2 * calls) + client}
 
@@ -381,7 +385,7 @@ def service_cpu(level: dict, idle_cores: dict[str, float], tables: dict[str, Cos
     out = {}
     for name, batched in (("draft", "Propose_calls"), ("verify", "Verify_calls")):
         service = level["services"][name]
-        calls = sum(count for key, count in service.items() if key.endswith("_calls") and not key.startswith("GetInfo"))
+        calls = sum(count for key, count in service.items() if key.endswith("_calls") and not key.startswith(NOT_MESSAGES))
         cpu_s, idle_s = level["cpu"]["process_cpu_s"][name], idle_cores.get(name, 0.0) * level["wall_s"]
         ms = (cpu_s - idle_s - forwards[name]) / calls * 1e3
         d = {"cpu_s": cpu_s, "idle_s": idle_s, "forwards_cpu_s": forwards[name], "calls": calls, "ms_per_call": ms,
@@ -477,9 +481,14 @@ def main() -> int:
     parser.add_argument("--tables-from", metavar="JSON", help="take the cost tables (and their profile's CPU figures) from "
                         "this results file instead of profiling again (validation runs of one calibration)")
     parser.add_argument("--name", help="results file stem under bench/results (default sim_validate[_ahead])")
+    parser.add_argument("--summarize", metavar="JSON", nargs="+", help="no run: one table of these results files' errors "
+                        "(the main host model), each run against the 15%% goal; writes sim_validate_runs.{md,json}")
     parser.add_argument("--resimulate", metavar="JSON", help="skip the profile and the live run: simulate again the tables and "
                         "live levels kept in this results file (e.g. after a simulator change)")
     args = parser.parse_args()
+    if args.summarize:
+        summarize([Path(p) for p in args.summarize])
+        return 0
     if args.resimulate:
         compare(json.loads(Path(args.resimulate).read_text()))
         return 0
@@ -857,6 +866,53 @@ def compare(out: dict) -> None:
               "message latency (measured instead, from the services' metrics)."]
     text = "\n".join(lines) + "\n"
     (RESULTS / f"{out.get('name', 'sim_validate')}.md").write_text(text)
+    print(text)
+
+
+GOAL = 0.15  # the simulator's figures within 15% of the live ones
+COMPARED = ("tokens_per_s", "p50_s", "p95_s")
+
+
+def summarize(paths: list[Path]) -> None:
+    """Validation runs side by side: per run (a results file), the main host model's error on each
+    compared figure at each concurrency, and whether all of them are within GOAL."""
+    variant = next(iter(VARIANTS))
+    runs = []
+    for path in paths:
+        out = json.loads(path.read_text())
+        levels = out["variants"][variant]["levels"]
+        errors = {lv["clients"]: {key: lv["error"][key] for key in COMPARED} for lv in levels}
+        runs.append({"file": str(path.relative_to(ROOT) if path.is_absolute() else path), "draft_ahead": bool(out.get("draft_ahead")),
+                     "errors": errors, "within_goal": all(abs(e) <= GOAL for level in errors.values() for e in level.values()),
+                     "worst": max(abs(e) for level in errors.values() for e in level.values()),
+                     "live_tokens_per_s": {lv["clients"]: lv["live"]["tokens_per_s"] for lv in levels},
+                     "ahead_served": {lv["clients"]: lv["live"].get("ahead_served") for lv in levels}})
+    (RESULTS / "sim_validate_runs.json").write_text(json.dumps({"goal": GOAL, "variant": variant, "runs": runs}, indent=1) + "\n")
+    clients = sorted({c for run in runs for c in run["errors"]})
+    lines = ["# The simulator against the live cluster: validation runs side by side", "",
+             f"Command: `.venv/bin/python bench/sim_validate.py --summarize {' '.join(run['file'] for run in runs)}`. Each row is one "
+             f"validation run (its own live cluster and requests; its file says how it ran), simulated with the main host model "
+             f"({VARIANTS[variant]}). Error = sim / live - 1 on aggregate tokens/s, p50 and p95 latency; the goal: every one within "
+             f"{GOAL:.0%}. At 1 client tokens/s is the fitted figure: error 0 unless the fit meets its floor (the sim slower "
+             f"than live with no per-message latency at all).", "",
+             "| run | draft ahead | " + " | ".join(f"c = {c}: tok/s, p50, p95" for c in clients) + " | worst | within goal |",
+             "|---|---|" + "---|" * len(clients) + "---:|---|"]
+    for run in runs:
+        cells = [", ".join(f"{run['errors'][c][key]:+.0%}" for key in COMPARED) if c in run["errors"] else "" for c in clients]
+        lines.append(f"| [{Path(run['file']).stem}]({Path(run['file']).with_suffix('.md').name}) | "
+                     f"{'yes' if run['draft_ahead'] else 'no'} | " + " | ".join(cells) + f" | {run['worst']:.0%} | "
+                     f"{'yes' if run['within_goal'] else 'NO'} |")
+    for ahead in (False, True):
+        group = [run for run in runs if run["draft_ahead"] is ahead]
+        if group:
+            lines.append(f"{'' if ahead else chr(10)}- {'with' if ahead else 'without'} drafting ahead: {sum(r['within_goal'] for r in group)} of "
+                         f"{len(group)} runs within {GOAL:.0%}.")
+    served = "; ".join(f"{Path(r['file']).stem}: " + ", ".join(f"c = {c}: {v:.0f}" for c, v in r["ahead_served"].items() if v is not None)
+                       for r in runs if r["draft_ahead"])
+    if served:
+        lines.append(f"- draft tokens served from drafts ahead, live: {served}.")
+    text = "\n".join(lines) + "\n"
+    (RESULTS / "sim_validate_runs.md").write_text(text)
     print(text)
 
 
