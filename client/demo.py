@@ -2,7 +2,9 @@
 
 1. In-process speculative decoding, streamed: a chat answer drafted by the target's own weights in
    bf16, and a passage rewrite drafted by prompt lookup; each followed by its stats and by plain
-   decoding of the same prompt, measured there and then (speedup, and the exactness check).
+   decoding of the same prompt, measured there and then (speedup, and the exactness check). The
+   figures the cluster is compared with are medians of TIMED_RUNS runs (the first one streamed), as
+   are the cluster's: one run is too noisy a figure on a shared machine.
 2. Through the Coordinator: the local cluster (configs/local.yaml: Draft, Verify and Coordinator,
    each its own process, on free loopback ports) is started, the same two prompts are streamed
    through the Coordinator with the `specmesh` client library, their stats and the coordinator's
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ SOT_QUESTION = "What are some tips for better sleep?"
 SOT_PLAN = ("[PLAN]\n1.<40><None>[-]Keep a regular schedule\n2.<40><None>[-]Make the bedroom dark and quiet\n"
             "3.<40><None>[-]Limit caffeine and screens\n4.<40><None>[-]Relax before bed\n[END]")
 SOT_TOKENS_PER_BRANCH = 48
+TIMED_RUNS = 3  # runs timed per line compared in-process vs through the cluster (medians)
 
 
 @dataclass
@@ -53,26 +57,38 @@ def _section(title: str) -> None:
     print(f"\n=== {title} ===", flush=True)
 
 
-def _speculative_vs_plain(generator, run: Run) -> None:
+def _speculative_vs_plain(generator, run: Run, timed_runs: int = 1) -> None:
+    """Stream the speculative answer, then time it and plain decoding: the medians of `timed_runs`."""
     params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
     print(f"user: {run.prompt}\nassistant: ", end="", flush=True)
     start = time.perf_counter()
     for delta in generator.stream_text(run.prompt, params, drafter=run.drafter):
         run.text += delta
         print(delta, end="", flush=True)
-    run.wall_s = time.perf_counter() - start
+    walls = [time.perf_counter() - start]
     spec_stats = generator.last_stats
     run.num_tokens = spec_stats.num_generated_tokens
     print(f"\n[speculative, {run.drafter} drafts] {spec_stats.summary()}")
     print(f"  per-position acceptance: {[f'{a:.2f}' for a in spec_stats.per_position_acceptance()[:8]]}")
-    start = time.perf_counter()
-    plain = "".join(generator.stream_text(run.prompt, params, drafter="none"))
-    plain_s = time.perf_counter() - start
+    for _ in range(timed_runs - 1):
+        walls.append(_timed(lambda: "".join(generator.stream_text(run.prompt, params, drafter=run.drafter)))[1])
+    plain, plain_s = "", []
+    for _ in range(timed_runs):
+        plain, seconds = _timed(lambda: "".join(generator.stream_text(run.prompt, params, drafter="none")))
+        plain_s.append(seconds)
     plain_stats = generator.last_stats
+    run.wall_s = statistics.median(walls)
     same = "identical" if plain == run.text else "DIFFERENT"
     print(f"[plain decoding] {plain_stats.summary()}")
-    print(f"  -> speedup {plain_s / run.wall_s:.2f}x wall time ({spec_stats.num_generated_tokens} tokens); "
-          f"output {same} to plain decoding")
+    runs = f", medians of {timed_runs} runs" if timed_runs > 1 else ""
+    print(f"  -> speedup {statistics.median(plain_s) / run.wall_s:.2f}x wall time ({spec_stats.num_generated_tokens} tokens"
+          f"{runs}); output {same} to plain decoding")
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
 
 
 async def _through_the_coordinator(address: str, runs: list[Run]) -> None:
@@ -89,14 +105,17 @@ async def _through_the_coordinator(address: str, runs: list[Run]) -> None:
         for run in runs:
             drafter = "ngram" if run.drafter == "ngram" else "service"
             print(f"\nuser: {run.prompt}\nassistant: ", end="", flush=True)
-            result = await client.collect([{"role": "user", "content": run.prompt}], mode="speculative", drafter=drafter,
-                                          max_new_tokens=MAX_NEW_TOKENS, on_text=printer())
+            prompt = [{"role": "user", "content": run.prompt}]
+            request = dict(mode="speculative", drafter=drafter, max_new_tokens=MAX_NEW_TOKENS)
+            result = await client.collect(prompt, **request, on_text=printer())
             print(f"\n[through the coordinator, {drafter} drafts] {stats_line(result)}")
+            latencies = [result.latency_s] + [(await client.collect(prompt, **request)).latency_s for _ in range(TIMED_RUNS - 1)]
             same = "identical" if result.text == run.text else "DIFFERENT"
-            cluster_tok_s = len(result.token_ids) / result.latency_s if result.latency_s else 0.0
+            latency_s = statistics.median(latencies)
+            cluster_tok_s = len(result.token_ids) / latency_s if latency_s else 0.0
             ratio = run.tokens_per_s / cluster_tok_s if cluster_tok_s else float("inf")
-            print(f"  -> in-process {run.tokens_per_s:.1f} tok/s vs cluster {cluster_tok_s:.1f} tok/s: the cluster takes "
-                  f"{ratio:.2f}x the in-process wall time per token; output {same} to in-process")
+            print(f"  -> in-process {run.tokens_per_s:.1f} tok/s vs cluster {cluster_tok_s:.1f} tok/s (medians of {TIMED_RUNS} "
+                  f"runs each): the cluster takes {ratio:.2f}x the in-process wall time per token; output {same} to in-process")
         stats = await client.stats()
         print(f"\ncoordinator totals: {stats.num_requests} requests, {stats.num_generated_tokens} tokens, acceptance "
               f"{stats.totals.acceptance_rate:.0%}, mean accepted length {stats.totals.mean_accepted_length:.2f}; replicas: "
@@ -194,9 +213,9 @@ def main() -> int:
     runs = [Run("chat", CHAT_PROMPT, "bf16"), Run("grounded", GROUNDED_PROMPT, "ngram")]
 
     _section("1a. speculative decoding, bf16 self-draft (chat)")
-    _speculative_vs_plain(generator, runs[0])
+    _speculative_vs_plain(generator, runs[0], TIMED_RUNS)
     _section("1b. speculative decoding, prompt-lookup drafts (input-grounded)")
-    _speculative_vs_plain(generator, runs[1])
+    _speculative_vs_plain(generator, runs[1], TIMED_RUNS)
 
     _section("1c. a low-bit target: the GGUF's own Q4_1 blocks (96 MB per token, not 538), prompt-lookup drafts")
     print("8-bit activations and a fixed-order attention keep it batch-invariant bit for bit, so speculation")
