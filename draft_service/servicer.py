@@ -270,12 +270,10 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         self.metrics.draft_tokens.inc(result.proposal.num_tokens)
         return response
 
-    @rpc_method
-    async def ProposeStream(self, requests, context):
-        """Propose, a message at a time, on one stream: each round is counted and timed as a Propose call
-        (its own metrics), and one that fails ends the stream with Propose's status."""
-        async for request in requests:
-            yield draft_pb2.ProposeStreamResponse(round=await self.Propose(request.round, context))
+    async def ProposeStream(self, request: draft_pb2.ProposeStreamRequest, context) -> draft_pb2.ProposeStreamResponse:
+        """One message of a session's stream (the edge answers each in order): a Propose call, counted,
+        timed and refused as one (its own metrics and status: an error ends the stream)."""
+        return draft_pb2.ProposeStreamResponse(round=await self.Propose(request.round, context))
 
     @rpc_method
     async def CloseSession(self, request: draft_pb2.DraftCloseSessionRequest, context) -> draft_pb2.DraftCloseSessionResponse:

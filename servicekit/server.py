@@ -203,31 +203,25 @@ class Edge:
                 async for response in items:
                     await context.write(response)
 
-        if method.client_streaming:  # bidirectional: the caller is admitted once, each request parsed as it comes
-            if not inspect.isasyncgenfunction(call):
-                raise TypeError(f"{path}: expected an async generator method")
-
-            async def requests(first: bytes, raws, context: grpc.aio.ServicerContext):
-                raw: bytes | None = first
-                while raw is not None:
-                    try:
-                        request = parse(raw)
-                    except ValueError as exc:
-                        await refused(context, exc)
-                        raise
-                    yield request
-                    raw = await anext(raws, None)
+        if method.client_streaming:  # bidirectional, one answer per request in order: the servicer's coroutine
+            if not inspect.iscoroutinefunction(call):  # answers each message; the caller is admitted once
+                raise TypeError(f"{path}: expected an async method answering one request of the stream")
 
             async def bidi(raws, context: grpc.aio.ServicerContext) -> None:
-                raws = aiter(raws)
-                first = await anext(raws, None)  # admitted once its first request is in: a refusal then never
-                if first is None:  # races the caller's write (which would fail INTERNAL on its side)
-                    return
-                _, principal = await admit(None, context)
+                principal = None
                 self.num_calls += 1
                 try:
-                    with principal_scope(principal):
-                        await write_all(call(requests(first, raws, context), context), context)
+                    async for raw in raws:  # no generator of ours between grpc's stream and the servicer
+                        if principal is None:  # admitted once its first request is in: a refusal then never
+                            _, principal = await admit(None, context)  # races the caller's write (INTERNAL there)
+                        try:
+                            request = parse(raw)
+                        except ValueError as exc:
+                            await refused(context, exc)
+                            raise
+                        with principal_scope(principal):
+                            response = await call(request, context)
+                        await context.write(response)
                 finally:
                     self.num_calls -= 1
 
