@@ -321,8 +321,6 @@ class FailoverDrafter:
         self.current = "ngram"
 
     def _drop_remote(self, handle: DraftHandle, failed: bool) -> None:
-        if handle.remote is not None and handle.remote_session is not None:
-            handle.remote.drop_stream(handle.remote_session)
         if handle.replica is not None and self.pool:
             if failed:
                 self.pool.fail(handle.replica)

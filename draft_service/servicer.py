@@ -270,11 +270,6 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         self.metrics.draft_tokens.inc(result.proposal.num_tokens)
         return response
 
-    async def ProposeStream(self, request: draft_pb2.ProposeStreamRequest, context) -> draft_pb2.ProposeStreamResponse:
-        """One message of a session's stream (the edge answers each in order): a Propose call, counted,
-        timed and refused as one (its own metrics and status: an error ends the stream)."""
-        return draft_pb2.ProposeStreamResponse(round=await self.Propose(request.round, context))
-
     @rpc_method
     async def CloseSession(self, request: draft_pb2.DraftCloseSessionRequest, context) -> draft_pb2.DraftCloseSessionResponse:
         return draft_pb2.DraftCloseSessionResponse(existed=await self.close_session(request.session_id))

@@ -9,10 +9,6 @@ calls only, no speculation logic. q travels in the dtype the drafter stored it i
 sampled from), dense or as its exact support. `WireCounters` counts messages' bytes per round.
 Rounds carry their `round_index`, so a round whose answer was lost (deadline, connection drop) is
 resent safely (`RETRIES` times): the service answers a resend without advancing the session twice.
-A remote drafter's rounds go out on one `ProposeStream` per session (`stream=True`): a message each way
-per round, no call set-up. A round the stream loses is resent as a unary Propose (same round_index),
-and the next round opens a new stream; where a new stream fails before its first answer (a service
-without the method, say), that drafter makes unary calls from then on.
 For an encoder-decoder model (T5, BART, ...) an adapter is made per request with its
 `encoder_input_ids`, sent with every OpenSession; prompts and rounds are then decoder tokens.
 """
@@ -203,17 +199,15 @@ class RemoteDraftSession:
     needs_q: bool  # standard sampling: the verifier needs the draft distributions (`SamplingParams.needs_q`)
     rounds: list[int] = field(default_factory=lambda: [0])  # Propose calls answered (mutable cell)
     ms_per_token: float | None = None  # what a draft token cost on the service when the session opened
-    stream: list = field(default_factory=lambda: [None])  # its open ProposeStream call, if any (mutable cell)
 
 
 class RemoteDrafter:
     def __init__(self, stub: draft_pb2_grpc.DraftServiceStub, *, q_dtype: torch.dtype = torch.float32,
                  sparse_q: bool = False, timeout_s: float = 60.0, counters: WireCounters | None = None,
-                 metadata: Metadata = (), encoder_input_ids: Sequence[int] = (), stream: bool = True):
+                 metadata: Metadata = (), encoder_input_ids: Sequence[int] = ()):
         if q_dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"q travels as float32, float16 or bfloat16, not {q_dtype}")
         self.stub = stub
-        self.stream = stream  # rounds on a ProposeStream per session (module docstring); False: a unary Propose each
         self.q_dtype = q_dtype
         self.metadata = tuple(metadata) or None
         self.sparse_q = sparse_q
@@ -241,7 +235,7 @@ class RemoteDrafter:
             session_id=session.session_id, accepted_token_ids=list(accepted_since_last), num_draft_tokens=max_tokens,
             return_distributions=session.needs_q, sparse_distributions=self.sparse_q,
             distributions_dtype=PB_BY_TORCH[self.q_dtype], round_index=session.rounds[0])
-        response = await self._round(session, request)
+        response = await call_round(self.stub.Propose, request, self.timeout_s, self.metadata or ())
         session.rounds[0] = response.round_index + 1
         self.counters.add(request, response)
         token_ids = token_ids_from_pb(response.draft_token_ids, self._vocab_size, "draft_token_ids")
@@ -253,61 +247,9 @@ class RemoteDrafter:
             raise ValueError(f"first_token_acceptance {acceptance} is not a probability")
         return DraftProposal(token_ids=token_ids, q=q, parents=list(response.tree_parents) or None, acceptance=acceptance)
 
-    async def _round(self, session: RemoteDraftSession, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        if self.stream:
-            fresh = session.stream[0] is None  # a stream that fails before its first answer: unary calls from now on
-            try:
-                return await asyncio.wait_for(self._on_stream(session, request), self.timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                self.drop_stream(session)
-                if exc.code() not in (*RETRY_CODES, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED):
-                    raise  # the round's own error (INVALID_ARGUMENT, NOT_FOUND, ...), as Propose would say it
-                self.stream = not (fresh or exc.code() is grpc.StatusCode.UNIMPLEMENTED)
-            except (TimeoutError, grpc.aio.UsageError, asyncio.InvalidStateError, StreamEnded):
-                self.drop_stream(session)
-                self.stream = not fresh
-        # a unary call, or the stream's lost round resent as one (its round_index: answered once)
-        return await call_round(self.stub.Propose, request, self.timeout_s, self.metadata or ())
-
-    async def _on_stream(self, session: RemoteDraftSession, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        call = session.stream[0]
-        if call is None:
-            call = session.stream[0] = self.stub.ProposeStream(metadata=self.metadata)
-        try:
-            await call.write(draft_pb2.ProposeStreamRequest(round=request))
-        except grpc.aio.AioRpcError as exc:  # the stream ended before; a write may lose its status (INTERNAL)
-            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            raise StreamEnded(f"the ProposeStream ended: {exc.code().name}") from None
-        response = await call.read()
-        if response is grpc.aio.EOF:
-            raise StreamEnded("the ProposeStream ended without answering the round")
-        return response.round
-
-    def drop_stream(self, session: RemoteDraftSession) -> None:
-        """Cancel the session's ProposeStream, if one is open (a failed round; the session dropped)."""
-        call, session.stream[0] = session.stream[0], None
-        if call is not None:
-            call.cancel()
-
     async def close(self, session: RemoteDraftSession) -> None:
-        call, session.stream[0] = session.stream[0], None
-        if call is not None:  # the end of requests ends the service's side (status OK)
-            try:
-                await call.done_writing()
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-                call.cancel()
         await _close_quietly(self.stub.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=session.session_id),
                                                     timeout=self.timeout_s, metadata=self.metadata))
-        if call is not None:
-            try:
-                await asyncio.wait_for(call.code(), self.timeout_s)
-            except TimeoutError:
-                call.cancel()
-
-
-class StreamEnded(Exception):
-    """A ProposeStream ended (status OK) before answering a round."""
 
 
 def outcome_from_pb(response: verify_pb2.VerifyResponse, proposal: DraftProposal) -> VerifyOutcome:

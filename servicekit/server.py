@@ -157,8 +157,8 @@ class Edge:
     def handler(self, servicer: Any, method: MethodDescriptor, max_request_bytes: int) -> grpc.RpcMethodHandler | None:
         """The method's handler over raw request bytes; None for one the servicer leaves to the
         generated base class (grpc then answers UNIMPLEMENTED)."""
-        if method.client_streaming and not method.server_streaming:
-            raise ValueError(f"{method.full_name}: client-streaming methods are supported only as bidirectional ones")
+        if method.client_streaming:
+            raise ValueError(f"{method.full_name}: client-streaming methods are not supported")
         implementation = getattr(type(servicer), method.name, None)
         if implementation is None or implementation.__module__.endswith("_pb2_grpc"):
             return None
@@ -168,64 +168,21 @@ class Edge:
         metrics: ServiceMetrics | None = getattr(servicer, "metrics", None)
         path = f"{method.containing_service.full_name}/{method.name}"
 
-        def parse(raw: bytes) -> Any:
-            if len(raw) > max_request_bytes:
-                raise ValueError(f"request of {len(raw)} bytes is larger than the {max_request_bytes}-byte limit of {path}")
-            try:
-                return request_cls.FromString(raw)
-            except DecodeError as exc:
-                raise ValueError(f"undecodable {method.input_type.full_name}: {exc}") from None
-
-        async def refused(context: grpc.aio.ServicerContext, exc: Exception):
-            code = status_for(exc)
-            if metrics is not None:
-                metrics.requests.labels(method.name, code.name).inc()
-            await context.abort(code, message_for(exc, code))
-
-        async def admit(raw: bytes | None, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
-            """(the request, None for a stream of them; the caller's principal), or the call refused."""
+        async def admit(raw: bytes, context: grpc.aio.ServicerContext) -> tuple[Any, str]:
             try:
                 principal = self.policy.resolve(context.invocation_metadata() or (), context.auth_context())
-                return (None if raw is None else parse(raw)), principal
-            except Exception as exc:  # noqa: BLE001 - auth errors and ValueError, mapped by status_for
-                await refused(context, exc)
-                raise  # not reached: abort raises
-
-        async def write_all(responses, context: grpc.aio.ServicerContext) -> None:
-            # A coroutine that writes each response, not an async generator handed to grpc: grpc
-            # drops a generator at its `yield` when the client leaves (the call's task is cancelled
-            # while it sends), and the garbage collector finalizes it later in a task of its own,
-            # where resetting the principal fails ("created in a different Context") and the
-            # servicer's `finally` blocks (closing sessions downstream) run late. Here the
-            # cancellation lands in this task: the servicer's generator is closed (aclosing) and
-            # the principal reset now, in this call's context.
-            async with aclosing(responses) as items:
-                async for response in items:
-                    await context.write(response)
-
-        if method.client_streaming:  # bidirectional, one answer per request in order: the servicer's coroutine
-            if not inspect.iscoroutinefunction(call):  # answers each message; the caller is admitted once
-                raise TypeError(f"{path}: expected an async method answering one request of the stream")
-
-            async def bidi(raws, context: grpc.aio.ServicerContext) -> None:
-                principal = None
-                self.num_calls += 1
+                if len(raw) > max_request_bytes:
+                    raise ValueError(f"request of {len(raw)} bytes is larger than the {max_request_bytes}-byte limit of {path}")
                 try:
-                    async for raw in raws:  # no generator of ours between grpc's stream and the servicer
-                        if principal is None:  # admitted once its first request is in: a refusal then never
-                            _, principal = await admit(None, context)  # races the caller's write (INTERNAL there)
-                        try:
-                            request = parse(raw)
-                        except ValueError as exc:
-                            await refused(context, exc)
-                            raise
-                        with principal_scope(principal):
-                            response = await call(request, context)
-                        await context.write(response)
-                finally:
-                    self.num_calls -= 1
-
-            return grpc.stream_stream_rpc_method_handler(bidi, request_deserializer=None, response_serializer=serialize)
+                    return request_cls.FromString(raw), principal
+                except DecodeError as exc:
+                    raise ValueError(f"undecodable {method.input_type.full_name}: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - auth errors and ValueError, mapped by status_for
+                code = status_for(exc)
+                if metrics is not None:
+                    metrics.requests.labels(method.name, code.name).inc()
+                await context.abort(code, message_for(exc, code))
+                raise  # not reached: abort raises
 
         if method.server_streaming:
             if not inspect.isasyncgenfunction(call):
@@ -235,8 +192,17 @@ class Edge:
                 request, principal = await admit(raw, context)
                 self.num_calls += 1
                 try:
+                    # A coroutine that writes each response, not an async generator handed to grpc: grpc
+                    # drops a generator at its `yield` when the client leaves (the call's task is cancelled
+                    # while it sends), and the garbage collector finalizes it later in a task of its own,
+                    # where resetting the principal fails ("created in a different Context") and the
+                    # servicer's `finally` blocks (closing sessions downstream) run late. Here the
+                    # cancellation lands in this task: the servicer's generator is closed (aclosing) and
+                    # the principal reset now, in this call's context.
                     with principal_scope(principal):
-                        await write_all(call(request, context), context)
+                        async with aclosing(call(request, context)) as responses:
+                            async for response in responses:
+                                await context.write(response)
                 finally:
                     self.num_calls -= 1
 

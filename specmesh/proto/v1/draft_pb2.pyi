@@ -186,50 +186,6 @@ class ProposeResponse(_message.Message):
 Global___ProposeResponse: _TypeAlias = ProposeResponse  # noqa: Y015
 
 @_typing.final
-class ProposeStreamRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ROUND_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def round(self) -> Global___ProposeRequest:
-        """one round, as a Propose call would send it"""
-
-    def __init__(
-        self,
-        *,
-        round: Global___ProposeRequest | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["round", b"round"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["round", b"round"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ProposeStreamRequest: _TypeAlias = ProposeStreamRequest  # noqa: Y015
-
-@_typing.final
-class ProposeStreamResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    ROUND_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def round(self) -> Global___ProposeResponse:
-        """its answer, as Propose would return it"""
-
-    def __init__(
-        self,
-        *,
-        round: Global___ProposeResponse | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["round", b"round"]  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["round", b"round"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ProposeStreamResponse: _TypeAlias = ProposeStreamResponse  # noqa: Y015
-
-@_typing.final
 class DraftCloseSessionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -44,11 +44,6 @@ class DraftServiceStub:
                 request_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
-        self.ProposeStream = channel.stream_stream(
-                '/specmesh.v1.DraftService/ProposeStream',
-                request_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeStreamRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeStreamResponse.FromString,
-                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specmesh.v1.DraftService/CloseSession',
                 request_serializer=specmesh_dot_v1_dot_draft__pb2.DraftCloseSessionRequest.SerializeToString,
@@ -73,15 +68,6 @@ class DraftServiceServicer:
 
     def Propose(self, request, context):
         """Propose up to k draft tokens after appending the tokens accepted since the last call.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ProposeStream(self, request_iterator, context):
-        """One session's Propose calls on one stream, a round per message, answered in order: no call set-up
-        per round. Each request is handled as Propose handles it (round_index, resends, limits); an error
-        ends the stream with the status Propose would return. A request may name another session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,11 +99,6 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
-            ),
-            'ProposeStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.ProposeStream,
-                    request_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeStreamRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeStreamResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -184,33 +165,6 @@ class DraftService:
             '/specmesh.v1.DraftService/Propose',
             specmesh_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specmesh_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ProposeStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/specmesh.v1.DraftService/ProposeStream',
-            specmesh_dot_v1_dot_draft__pb2.ProposeStreamRequest.SerializeToString,
-            specmesh_dot_v1_dot_draft__pb2.ProposeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,11 +35,6 @@ class DraftServiceStub:
     """Start a drafting session on a prompt (the drafter prefills it)."""
     Propose: _grpc.UnaryUnaryMultiCallable[_draft_pb2.ProposeRequest, _draft_pb2.ProposeResponse]
     """Propose up to k draft tokens after appending the tokens accepted since the last call."""
-    ProposeStream: _grpc.StreamStreamMultiCallable[_draft_pb2.ProposeStreamRequest, _draft_pb2.ProposeStreamResponse]
-    """One session's Propose calls on one stream, a round per message, answered in order: no call set-up
-    per round. Each request is handled as Propose handles it (round_index, resends, limits); an error
-    ends the stream with the status Propose would return. A request may name another session.
-    """
     CloseSession: _grpc.UnaryUnaryMultiCallable[_draft_pb2.DraftCloseSessionRequest, _draft_pb2.DraftCloseSessionResponse]
     """Forget a session and free its cache."""
     GetInfo: _grpc.UnaryUnaryMultiCallable[_draft_pb2.DraftGetInfoRequest, _draft_pb2.DraftGetInfoResponse]
@@ -52,11 +47,6 @@ class DraftServiceAsyncStub(DraftServiceStub):
     """Start a drafting session on a prompt (the drafter prefills it)."""
     Propose: _aio.UnaryUnaryMultiCallable[_draft_pb2.ProposeRequest, _draft_pb2.ProposeResponse]  # type: ignore[assignment]
     """Propose up to k draft tokens after appending the tokens accepted since the last call."""
-    ProposeStream: _aio.StreamStreamMultiCallable[_draft_pb2.ProposeStreamRequest, _draft_pb2.ProposeStreamResponse]  # type: ignore[assignment]
-    """One session's Propose calls on one stream, a round per message, answered in order: no call set-up
-    per round. Each request is handled as Propose handles it (round_index, resends, limits); an error
-    ends the stream with the status Propose would return. A request may name another session.
-    """
     CloseSession: _aio.UnaryUnaryMultiCallable[_draft_pb2.DraftCloseSessionRequest, _draft_pb2.DraftCloseSessionResponse]  # type: ignore[assignment]
     """Forget a session and free its cache."""
     GetInfo: _aio.UnaryUnaryMultiCallable[_draft_pb2.DraftGetInfoRequest, _draft_pb2.DraftGetInfoResponse]  # type: ignore[assignment]
@@ -78,17 +68,6 @@ class DraftServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_draft_pb2.ProposeResponse, _abc.Awaitable[_draft_pb2.ProposeResponse]]:
         """Propose up to k draft tokens after appending the tokens accepted since the last call."""
-
-    @_abc_1.abstractmethod
-    def ProposeStream(
-        self,
-        request_iterator: _MaybeAsyncIterator[_draft_pb2.ProposeStreamRequest],
-        context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_draft_pb2.ProposeStreamResponse], _abc.AsyncIterator[_draft_pb2.ProposeStreamResponse]]:
-        """One session's Propose calls on one stream, a round per message, answered in order: no call set-up
-        per round. Each request is handled as Propose handles it (round_index, resends, limits); an error
-        ends the stream with the status Propose would return. A request may name another session.
-        """
 
     @_abc_1.abstractmethod
     def CloseSession(
