@@ -312,7 +312,8 @@ def simulate_level(config: dict) -> dict:
             **{f"{name}_cores": process["cpu_s"] / makespan for name, process in result.summary["processes"].items()}}
 
 
-# not per-session messages: the pools' health checks; a ProposeStream (its rounds are counted as the Propose calls they are)
+# not per-session messages: the pools' health checks; a ProposeStream (its rounds are counted as the Propose calls they
+# are; the Draft service had it when the runs of 060f489 recorded their metrics, and --resimulate reads those files)
 NOT_MESSAGES = ("GetInfo", "ProposeStream")
 
 
@@ -786,8 +787,9 @@ def compare(out: dict) -> None:
                         (lv["cpu"]["process_cpu_s"]["draft"] + lv["cpu"]["process_cpu_s"]["verify"]) / lv["wall_s"] for lv in group)
                 levels.append(level)
             out["variants"][variant] = {"fitted_latency_ms": latency_ms, "levels": levels}
+    name = out.get("name", "sim_validate")  # results files before --name: sim_validate
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{out.get('name', 'sim_validate')}.json").write_text(json.dumps(out, indent=1) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
 
     def cpu_note(group: list[dict]) -> str:
         cpus = [level.get("cpu") for level in group]
@@ -807,7 +809,7 @@ def compare(out: dict) -> None:
     flags = ((" --quick" if out["quick"] else "") + (f" --repeats {repeats}" if repeats != 2 else "")
              + (" --draft-ahead" if out.get("draft_ahead") else "")
              + (f" --tables-from {out['tables_from']}" if out.get("tables_from") else "")
-             + (f" --name {out['name']}" if out.get("name", "sim_validate") not in ("sim_validate", "sim_validate_ahead") else ""))
+             + (f" --name {name}" if name not in ("sim_validate", "sim_validate_ahead") else ""))
     lines = ["# Simulator vs the live cluster", "",
              f"`.venv/bin/python bench/sim_validate.py{flags}`: default model, Draft (bf16 self-draft"
              f"{', drafting ahead: the simulated one too, guess rate from the measured acceptance' if out.get('draft_ahead') else ''}) + "
@@ -865,7 +867,7 @@ def compare(out: dict) -> None:
               "variant shows what is left once the background is known: it fits the background on c = 1 in place of the "
               "message latency (measured instead, from the services' metrics)."]
     text = "\n".join(lines) + "\n"
-    (RESULTS / f"{out.get('name', 'sim_validate')}.md").write_text(text)
+    (RESULTS / f"{name}.md").write_text(text)
     print(text)
 
 

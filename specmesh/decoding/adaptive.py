@@ -173,19 +173,25 @@ class AdaptiveK:
         """Whether some k > 0 would beat plain decoding were every draft token accepted: a draft
         token must cost less than the verify time it saves, draft_ms < decode_ms (1 - beta). When
         it does not, probing (which only measures acceptance) cannot find a k that pays."""
+        saved = self._most_saved_per_token()
+        return saved is None or saved > 0
+
+    def _most_saved_per_token(self) -> float | None:
+        """decode_ms (1 - beta) - draft_ms: what a draft token saves at best (accepted, k unbounded);
+        None until both costs are known."""
         if self.draft_ms_per_token is None or self.decode_ms is None:
-            return True
-        return self.draft_ms_per_token < self.decode_ms * (1.0 - self.beta)
+            return None
+        return self.decode_ms * (1.0 - self.beta) - self.draft_ms_per_token
 
     def probe_pays(self, outlook: Outlook | None) -> bool:
         """Whether a probe could win back its catch-up: the most a draft token can save,
         decode_ms (1 - beta) - draft_ms (every token accepted, k unbounded), over the tokens the
         request may still emit, against the catch-up's cost (`catch_up_ms`). A bf16 self-draft on a
         CPU, probed after a plain stretch, would prefill the whole context in bf16 for one token."""
-        if outlook is None or self.draft_ms_per_token is None or self.decode_ms is None:
+        saved = self._most_saved_per_token()
+        if outlook is None or saved is None:
             return True
-        margin = self.decode_ms * (1.0 - self.beta) - self.draft_ms_per_token
-        return outlook.tokens_left * margin > outlook.catch_up_tokens * self.catch_up_ms()
+        return outlook.tokens_left * saved > outlook.catch_up_tokens * self.catch_up_ms()
 
     def catch_up_ms(self) -> float:
         """ms per token a drafter takes to catch up: measured on catch-up rounds, else the prior: a

@@ -131,7 +131,6 @@ class SpeculationState:
         self.num_tokens = num_prompt_tokens  # prompt + every token the target emitted (the pending one too)
         self._emitted: list[int] = []  # every token the target emitted, also past a finish (what the KV saw)
         self._num_told_drafter = 0
-        self._drafter_primed = False  # the drafter was asked once (it took in the prompt then)
         self._round_catch_up = 0  # tokens this round's ask brought that a round after a draft would not
         # plain stretches apply to a policy's k only (a caller's fixed k is kept)
         self._stretches = plain_stretches and has_drafter and not isinstance(self.k_policy, FixedK)
@@ -229,8 +228,12 @@ class SpeculationState:
         self._round_catch_up = 0 if up_to_date else self._catch_up_tokens()
         new = self._emitted[self._num_told_drafter:]
         self._num_told_drafter = len(self._emitted)
-        self._drafter_primed = True
         return new
+
+    @property
+    def _drafter_primed(self) -> bool:
+        """The drafter was asked once (it took in the prompt then): the first token precedes any ask."""
+        return self._num_told_drafter > 0
 
     def _catch_up_tokens(self) -> int:
         """Tokens the drafter takes in at its next ask: those emitted since it was last told, and the
