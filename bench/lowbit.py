@@ -72,7 +72,9 @@ def kernel_description() -> str:
     lib = library()
     if lib is None:
         return "torch fallback (no C++ compiler)"
-    return "compiled, AVX-512 VNNI integer dots" if lib.lowbit_has_vnni() else "compiled, portable integer dots"
+    if lib.lowbit_has_vnni():
+        return "compiled, AVX-512 VNNI integer dots"
+    return "compiled, AVX2 integer dots" if lib.lowbit_has_avx2() else "compiled, portable integer dots"
 
 
 def llama_cpp_runner(path: str):

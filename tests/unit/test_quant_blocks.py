@@ -9,7 +9,16 @@ import torch
 
 from specmesh.models.lowbit.blocks import FORMATS, dequantize, from_ggml, quantize, quantize_weight
 from specmesh.models.lowbit.gguf_file import hf_name, unpermute_rows
-from specmesh.models.lowbit.kernel import build, fused_matmul, library, load, quantize_activations, reference_matmul
+from specmesh.models.lowbit.kernel import (
+    BUILDS,
+    build,
+    fused_matmul,
+    invariant_attention,
+    library,
+    load,
+    quantize_activations,
+    reference_matmul,
+)
 from specmesh.models.lowbit.qlinear import QuantLinear
 from specmesh.models.lowbit.quantize import format_for, quantize_checkpoint
 from specmesh.models.lowbit.qweight import concatenate
@@ -77,23 +86,82 @@ def test_fused_kernel_matches_reference_on_odd_shapes():
     assert got is not None and torch.allclose(got, reference_matmul(x, weight), atol=1e-5)
 
 
-def test_the_portable_build_gives_the_vnni_builds_numbers_bit_for_bit(tmp_path):
-    """A CPU without VNNI (the plain-loop integer dots) computes the same floats in the same order."""
+# The older instruction-set levels the kernel has a path for (kernel.BUILDS): x86-64-v2 has no AVX2 (the plain
+# loops), x86-64-v3 has AVX2, FMA and F16C but no AVX-512 (the AVX2 path); the native build takes the VNNI path
+# where the CPU has it.
+ARCH_LEVELS = ("portable", "avx2")
+
+
+def _build_levels(tmp_path):
+    """{name: library} for every instruction-set level this compiler and CPU can build and run, native included."""
     native = library()
-    if native is None or not native.lowbit_has_vnni():
-        pytest.skip("needs a compiler and a CPU with AVX-512 VNNI to compare against")
-    portable = load(build("g++", tmp_path, (["-march=x86-64-v3"],)))
-    assert portable.lowbit_has_vnni() == 0
+    if native is None:
+        pytest.skip("needs a C++ compiler")
+    libraries = {"native": native}
+    for name in ARCH_LEVELS:
+        try:
+            libraries[name] = load(build("g++", tmp_path / name, BUILDS[name]))
+        except (RuntimeError, OSError):
+            continue  # not an x86-64 compiler, or a CPU below this level
+    if "portable" not in libraries:
+        pytest.skip("cannot build the x86-64-v2 (plain loops) kernel here")
+    return libraries
+
+
+def test_every_instruction_set_path_gives_the_same_numbers_bit_for_bit(tmp_path):
+    """A CPU without VNNI, or without AVX2 (the plain-loop integer dots), computes the same floats in the same
+    order as the native build (the VNNI path on a CPU with AVX-512 VNNI)."""
+    libraries = _build_levels(tmp_path)
+    assert libraries["portable"].lowbit_has_vnni() == 0 and libraries["portable"].lowbit_has_avx2() == 0
+    if "avx2" in libraries:
+        assert libraries["avx2"].lowbit_has_vnni() == 0 and libraries["avx2"].lowbit_has_avx2() == 1
     x = torch.randn(11, 576, generator=torch.Generator().manual_seed(3))
     x[2, :32] = 0.0  # an all-zero activation block
+    x[4, 64:96] = -x[4, 64:96].abs()  # a block at -127 codes against every weight sign
     # 576: blocks not a whole 16 (the offsets' masked tail); 96: a last chunk of 32 inputs (the portable tail)
     shapes = [(fmt, 512 if fmt in ("q4_k", "q6_k") else 576) for fmt in ALL_FORMATS] + [("q4_1", 96), ("q8_0", 96)]
     for fmt, cols in shapes:
         weight = quantize_weight(_weight(rows=21, cols=cols), fmt)
         for scales in (torch.float16, torch.float32):
             w = weight.to_scale_dtype(scales)
-            fast, plain = fused_matmul(x[:, :cols], w, native), fused_matmul(x[:, :cols], w, portable)
-            assert fast is not None and plain is not None and torch.equal(fast, plain), (fmt, cols, scales)
+            outputs = {name: fused_matmul(x[:, :cols], w, lib) for name, lib in libraries.items()}
+            plain = outputs.pop("portable")
+            assert plain is not None
+            for name, got in outputs.items():
+                assert got is not None and torch.equal(got, plain), (name, fmt, cols, scales)
+
+
+def test_attention_gives_the_same_numbers_on_every_instruction_set_bit_for_bit(tmp_path):
+    """The fixed-order attention's dot products are fused multiply-adds on every build: with and without FMA
+    instructions (a compiler left to contract a * b + c would fuse them on one CPU only). Head dim 72: a tail."""
+    libraries = _build_levels(tmp_path)
+    generator = torch.Generator().manual_seed(5)
+    for head_dim in (64, 72):
+        q = torch.randn(4, 6, head_dim, generator=generator)
+        keys, values = torch.randn(50, 2, head_dim, generator=generator), torch.randn(50, 2, head_dim, generator=generator)
+        outputs = {name: invariant_attention(q, keys, values, None, 0, 50, None, 4, None, head_dim ** -0.5, lib)
+                   for name, lib in libraries.items()}
+        plain = outputs.pop("portable")
+        assert plain is not None
+        for name, got in outputs.items():
+            assert got is not None and torch.equal(got, plain), (name, head_dim)
+
+
+def test_the_q8_path_meets_the_extreme_codes_exactly(tmp_path):
+    """q8 codes of -128 (magnitude 128, the u8 x s8 products' largest) against activations of +-127: the AVX2
+    path's 16-bit pair sums are at their largest here and must not saturate."""
+    libraries = _build_levels(tmp_path)
+    weight = quantize_weight(_weight(rows=5, cols=128), "q8_0")
+    codes = weight.codes.clone()
+    codes[:, ::2], codes[:, 1::2] = -128, 127
+    extreme = type(weight)(weight.layout, codes, weight.scales, None, weight.group_size, weight.source)
+    x = torch.full((3, 128), 1.0)
+    x[1] = -1.0
+    x[2, ::3] = -1.0
+    dense = extreme.dequantize()
+    for name, lib in libraries.items():
+        got = fused_matmul(x, extreme, lib)
+        assert got is not None and torch.allclose(got, x @ dense.T, rtol=1e-5), name
 
 
 def test_activations_are_quantized_per_row_block():
@@ -173,3 +241,19 @@ def test_fixed_order_attention_matches_sdpa_and_is_row_invariant():
     assert got is not None and torch.allclose(got, expected, atol=2e-6, rtol=1e-5)
     last = invariant_attention(q[3:], cache_k, cache_v, slots, 0, keys, None, 1, None, dim**-0.5)
     assert torch.equal(last, got[3:])  # the last query alone, every key visible: the same bits
+
+
+def test_the_kernel_build_is_picked_by_the_environment(monkeypatch):
+    import specmesh.models.lowbit.kernel as kernel
+
+    try:
+        monkeypatch.setenv(kernel.ENV_KERNEL, "sse9")
+        kernel.library.cache_clear()
+        with pytest.raises(ValueError, match="native, avx2, portable, torch"):
+            kernel.library()
+        monkeypatch.setenv(kernel.ENV_KERNEL, "torch")
+        kernel.library.cache_clear()
+        assert kernel.library() is None
+    finally:
+        monkeypatch.delenv(kernel.ENV_KERNEL)
+        kernel.library.cache_clear()

@@ -19,6 +19,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -38,13 +42,38 @@ inline float tree_sum(f32x16 v) {
     return t[0];
 }
 
-inline float dot(const float *a, const float *b, int64_t D) {  // 16 lanes, then the fixed tree
+// acc + a * b lane by lane, each lane one fused multiply-add (rounded once). Spelled out because the library is
+// built with -ffp-contract=off: a compiler left to contract `acc += a * b` fuses it on a CPU with FMA and not on
+// one without, and the numbers would differ by build. Without FMA instructions, libm's fmaf gives the same.
+inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 acc) {
+#if defined(__AVX512F__)
+    return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+    __m256 half[3][2];  // a, b and acc as two halves of 8
+    for (int h = 0; h < 2; h++) {
+        std::memcpy(&half[0][h], (const char *)&a + 32 * h, 32);
+        std::memcpy(&half[1][h], (const char *)&b + 32 * h, 32);
+        std::memcpy(&half[2][h], (const char *)&acc + 32 * h, 32);
+        half[2][h] = _mm256_fmadd_ps(half[0][h], half[1][h], half[2][h]);
+        std::memcpy((char *)&acc + 32 * h, &half[2][h], 32);
+    }
+    return acc;
+#else
+    for (int l = 0; l < 16; l++) acc[l] = std::fma(a[l], b[l], acc[l]);
+    return acc;
+#endif
+}
+
+inline float dot(const float *a, const float *b, int64_t D) {  // 16 lanes of fmas, then the fixed tree
     f32x16 acc{};
     int64_t i = 0;
-    for (; i + 16 <= D; i += 16) acc += load16(a + i) * load16(b + i);
-    float tail[16] = {};
-    for (int64_t l = 0; i + l < D; l++) tail[l] = a[i + l] * b[i + l];
-    return tree_sum(acc + load16(tail));
+    for (; i + 16 <= D; i += 16) acc = fma16(load16(a + i), load16(b + i), acc);
+    if (i < D) {  // the tail: lanes past D multiply zeros, and fma(0, 0, acc) == acc
+        float tail_a[16] = {}, tail_b[16] = {};
+        for (int64_t l = 0; i + l < D; l++) tail_a[l] = a[i + l], tail_b[l] = b[i + l];
+        acc = fma16(load16(tail_a), load16(tail_b), acc);
+    }
+    return tree_sum(acc);
 }
 
 // exp(x) for x <= 0 (scores minus their max): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7

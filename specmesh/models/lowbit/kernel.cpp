@@ -3,7 +3,8 @@
 //
 // Numbers: per block b of row m, d = max|x| / 127 and q = round(x * 127 / max|x|) in -127..127 (0 when the block
 // is all zero), so the row is approximated by d * q. The weight's integer codes meet q in exact int32 dot
-// products (VNNI's u8 x s8 instruction where the CPU has it, plain loops otherwise: the integers are equal);
+// products (VNNI's u8 x s8 instruction where the CPU has it, AVX2's u8 x s8 pair products summed in 16 then 32
+// bits where it has that, plain loops otherwise: the integers are equal);
 // the float part is fixed: per 64 inputs ("chunk") 16 lanes, lane l covering inputs 4l..4l+3, each lane
 // acc = fma(float(dot), scale_w * d, acc) chunk by chunk in K order (then, for q4, the offsets' term
 // offset_g * d_g * sum(q in g) for 16 blocks per step into the same lanes), then one fixed-order tree sum. Output (m, n) is
@@ -24,8 +25,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define LOWBIT_VNNI 1
+#define LOWBIT_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LOWBIT_VNNI 0
+#define LOWBIT_AVX2 1
 #else
 #define LOWBIT_VNNI 0
+#define LOWBIT_AVX2 0
 #endif
 
 namespace {
@@ -183,6 +190,78 @@ inline __m512 add_offsets_vnni(__m512 acc, const S *offsets, const Row &x, int64
 }
 #endif
 
+#if LOWBIT_AVX2
+// The 16 lanes as two 8-float halves: lanes 0..7 (inputs 0..31 of the chunk) and 8..15 (inputs 32..63).
+struct Halves {
+    __m256 low, high;
+};
+
+// Per 32-bit lane, the sum of its 4 byte products u8 x s8. maddubs adds pairs in 16 bits with saturation, which
+// never happens here: q4 codes are at most 15 and q8 magnitudes at most 128, activations within -127..127, so a
+// pair is at most 2 * 128 * 127 = 32512. The int32 dots are therefore the VNNI build's and the plain loops'.
+inline __m256i dot4(__m256i unsigned_w, __m256i signed_x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_w, signed_x), _mm256_set1_epi16(1));
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(_Float16 v) { return (float)v; }
+
+// Scales of the groups one chunk covers, lane l getting group l / (16 / GROUPS) (chunk_scales' spread).
+template <typename S, int GROUPS>
+inline Halves chunk_scales_avx2(const S *p) {
+    static_assert(GROUPS == 2 || GROUPS == 4);
+    if constexpr (GROUPS == 2) return {_mm256_set1_ps(to_float(p[0])), _mm256_set1_ps(to_float(p[1]))};
+    const float g0 = to_float(p[0]), g1 = to_float(p[1]), g2 = to_float(p[2]), g3 = to_float(p[3]);
+    return {_mm256_setr_ps(g0, g0, g0, g0, g1, g1, g1, g1), _mm256_setr_ps(g2, g2, g2, g2, g3, g3, g3, g3)};
+}
+
+// accumulate_chunk on two halves: acc + float(dot) * (weight scale * activation scale), lane by lane.
+inline Halves accumulate_halves(Halves acc, __m256i dot_low, __m256i dot_high, Halves weight_scales, const Row &x,
+                                int64_t c) {
+    const float *lane_scale = x.lane_scale + c * LANES;
+    const __m256 low = _mm256_mul_ps(weight_scales.low, _mm256_loadu_ps(lane_scale));
+    const __m256 high = _mm256_mul_ps(weight_scales.high, _mm256_loadu_ps(lane_scale + 8));
+    return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_low), low, acc.low),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_high), high, acc.high)};
+}
+
+// tree_sum's order: lane i + lane i + 8 is the sum of the halves, then quarters, pairs and the last two lanes.
+inline float tree_sum_halves(Halves v) {
+    const __m256 eight = _mm256_add_ps(v.low, v.high);
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// add_offsets on two halves: 16 blocks per step, lanes past the last block adding fma(0, 0, acc).
+template <typename S>
+inline Halves add_offsets_halves(Halves acc, const S *offsets, const Row &x, int64_t K) {
+    const int64_t blocks = K / BLOCK;
+    for (int64_t b0 = 0; b0 < blocks; b0 += LANES) {
+        __m256 o_low, o_high;
+        if (blocks - b0 >= LANES && sizeof(S) == 2) {
+            o_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + b0)));
+            o_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + b0 + 8)));
+        } else if (blocks - b0 >= LANES) {
+            o_low = _mm256_loadu_ps((const float *)(offsets + b0));
+            o_high = _mm256_loadu_ps((const float *)(offsets + b0 + 8));
+        } else {
+            alignas(32) float o[LANES] = {};  // the last, partial step
+            for (int64_t l = 0; l < blocks - b0; l++) o[l] = to_float(offsets[b0 + l]);
+            o_low = _mm256_load_ps(o), o_high = _mm256_load_ps(o + 8);
+        }
+        acc.low = _mm256_fmadd_ps(o_low, _mm256_loadu_ps(x.block_sum + b0), acc.low);
+        acc.high = _mm256_fmadd_ps(o_high, _mm256_loadu_ps(x.block_sum + b0 + 8), acc.high);
+    }
+    return acc;
+}
+
+inline void store_halves(Lanes &lanes, Halves v) {
+    _mm256_store_ps(lanes.v, v.low);
+    _mm256_store_ps(lanes.v + 8, v.high);
+}
+#endif
+
 // y rows m0..m0+ROWS-1, outputs n0..n1-1.
 template <typename S, int ROWS>
 void q4_pass(const Row *rows, int64_t K, const uint8_t *codes, const S *scales, const S *offsets, int64_t n0, int64_t n1,
@@ -215,6 +294,29 @@ void q4_pass(const Row *rows, int64_t K, const uint8_t *codes, const S *scales, 
             continue;
         }
         for (int r = 0; r < ROWS; r++) _mm512_store_ps(lanes[r].v, acc[r]);
+#elif LOWBIT_AVX2
+        Halves acc[ROWS];
+        for (int r = 0; r < ROWS; r++) acc[r] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        const __m256i low = _mm256_set1_epi8(15);
+        for (; c < full; c++) {
+            _mm_prefetch((const char *)(row + PREFETCH_ROWS * (K / 2) + c * 32), _MM_HINT_T0);
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(row + c * 32));
+            const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            // the chunk's first block (its 16 low then 16 high nibbles), then its second
+            const __m256i w0 = _mm256_permute2x128_si256(lo, hi, 0x20), w1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+            const Halves ws = chunk_scales_avx2<S, 2>(sc + 2 * c);
+            for (int r = 0; r < ROWS; r++) {
+                const int8_t *xq = rows[r].q + c * CHUNK;
+                acc[r] = accumulate_halves(acc[r], dot4(w0, _mm256_loadu_si256((const __m256i *)xq)),
+                                           dot4(w1, _mm256_loadu_si256((const __m256i *)(xq + 32))), ws, rows[r], c);
+            }
+        }
+        if (c == chunks) {
+            for (int r = 0; r < ROWS; r++)
+                y[r * N + n] = tree_sum_halves(add_offsets_halves(acc[r], offsets + n * groups, rows[r], K));
+            continue;
+        }
+        for (int r = 0; r < ROWS; r++) store_halves(lanes[r], acc[r]);
 #else
         for (int r = 0; r < ROWS; r++) lanes[r] = Lanes{};
 #endif
@@ -257,6 +359,27 @@ void q8_pass(const Row *rows, int64_t K, const int8_t *codes, const S *scales, i
             continue;
         }
         for (int r = 0; r < ROWS; r++) _mm512_store_ps(lanes[r].v, acc[r]);
+#elif LOWBIT_AVX2
+        Halves acc[ROWS];
+        for (int r = 0; r < ROWS; r++) acc[r] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (; c < full; c++) {
+            _mm_prefetch((const char *)(row + PREFETCH_ROWS * K + c * CHUNK), _MM_HINT_T0);
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + c * CHUNK));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + c * CHUNK + 32));
+            const __m256i magnitude0 = _mm256_abs_epi8(w0), magnitude1 = _mm256_abs_epi8(w1);
+            const Halves ws = chunk_scales_avx2<S, CHUNK / G>(sc + c * (CHUNK / G));
+            for (int r = 0; r < ROWS; r++) {  // u8 x s8: the weight's sign moves onto the activation
+                const int8_t *xq = rows[r].q + c * CHUNK;
+                const __m256i x0 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xq), w0);
+                const __m256i x1 = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + 32)), w1);
+                acc[r] = accumulate_halves(acc[r], dot4(magnitude0, x0), dot4(magnitude1, x1), ws, rows[r], c);
+            }
+        }
+        if (c == chunks) {
+            for (int r = 0; r < ROWS; r++) y[r * N + n] = tree_sum_halves(acc[r]);
+            continue;
+        }
+        for (int r = 0; r < ROWS; r++) store_halves(lanes[r], acc[r]);
 #else
         for (int r = 0; r < ROWS; r++) lanes[r] = Lanes{};
 #endif
@@ -320,6 +443,7 @@ void q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *codes, const 
 // The C entry points (ctypes): q4 with fp16 or fp32 scales and offsets; q8 with groups of 16 or 32.
 extern "C" {
 int lowbit_has_vnni() { return LOWBIT_VNNI; }
+int lowbit_has_avx2() { return LOWBIT_AVX2; }
 void lowbit_q4_f16(const float *x, int64_t M, int64_t K, const uint8_t *codes, const _Float16 *scales,
                    const _Float16 *offsets, int64_t N, float *y, int num_threads) {
     q4_matmul<_Float16>(x, M, K, codes, scales, offsets, N, y, num_threads);

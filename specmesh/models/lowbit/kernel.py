@@ -7,7 +7,10 @@ loaded. The library lands in `$SPECMESH_HOME/kernels/lowbit-<hash>.so`, the hash
 sources, the flags, the compiler and the CPU's feature flags (it is built with -march=native), and is
 written to a temporary name then renamed, so concurrent first uses are safe.
 
-Without a compiler (or with SPECMESH_LOWBIT_KERNEL=torch) every matmul quantizes the activations,
+SPECMESH_LOWBIT_KERNEL picks the build: unset (or `native`) for -march=native, which takes the AVX-512
+VNNI path where the CPU has it and the AVX2 path where it has AVX2; `avx2` (x86-64-v3) and `portable`
+(x86-64-v2: plain loops) build for an older CPU to compare against; every build gives the same numbers
+bit for bit. Without a compiler (or with SPECMESH_LOWBIT_KERNEL=torch) every matmul quantizes the activations,
 dequantizes the weight and multiplies with `F.linear` (`reference_matmul`), and attention is SDPA:
 the same model up to float rounding, batch-invariant only up to that rounding, and slow.
 """
@@ -29,9 +32,14 @@ import torch
 from specmesh.models.lowbit.qweight import QuantWeight
 
 SOURCES = [Path(__file__).with_name("kernel.cpp"), Path(__file__).with_name("attention.cpp")]
-FLAGS = ["-std=c++20", "-O3", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-std=c++20", "-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]  # no fusing but what the source spells
 ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])  # the second try is for compilers without -march=native
-ENV_KERNEL = "SPECMESH_LOWBIT_KERNEL"  # "torch" forces the fallback
+ENV_KERNEL = "SPECMESH_LOWBIT_KERNEL"  # "torch" forces the fallback; a key of BUILDS picks the build
+BUILDS: dict[str, tuple[list[str], ...]] = {
+    "native": ARCH_FLAGS,
+    "avx2": (["-march=x86-64-v3"],),  # AVX2, FMA, F16C; no AVX-512
+    "portable": (["-march=x86-64-v2"],),  # no AVX2: the plain loops
+}
 ACTIVATION_BLOCK = 32  # inputs per activation scale (kernel.cpp's BLOCK)
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -89,15 +97,18 @@ def build(compiler: str, cache_dir: Path, arch_flags: tuple[list[str], ...] = AR
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (fallback) when it cannot be built; warns once."""
-    if os.environ.get(ENV_KERNEL, "").lower() == "torch":
+    choice = os.environ.get(ENV_KERNEL, "").lower() or "native"
+    if choice == "torch":
         return None
+    if choice not in BUILDS:
+        raise ValueError(f"{ENV_KERNEL}={choice!r}: expected one of {', '.join([*BUILDS, 'torch'])}")
     from specmesh.models.resolve import specmesh_home
 
     compiler = os.environ.get("CXX", "g++")
     try:
         if shutil.which(compiler) is None:
             raise RuntimeError(f"no C++ compiler {compiler!r} on PATH")
-        return load(build(compiler, specmesh_home() / "kernels"))
+        return load(build(compiler, specmesh_home() / "kernels", BUILDS[choice]))
     except (OSError, RuntimeError) as exc:
         warnings.warn(f"low-bit kernel unavailable, using the slow torch fallback: {exc}", RuntimeWarning, stacklevel=2)
         return None
@@ -110,6 +121,7 @@ def load(path: Path) -> ctypes.CDLL:
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
     lib.lowbit_has_vnni.restype = ctypes.c_int
+    lib.lowbit_has_avx2.restype = ctypes.c_int
     return lib
 
 
@@ -179,15 +191,15 @@ def reference_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
 
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_slots: torch.Tensor | None,
                         first_slot: int, num_keys: int, mask: torch.Tensor | None, max_new: int,
-                        rows: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+                        rows: torch.Tensor | None, scale: float, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """attention.cpp over the cache layer: q [N, heads, head_dim] float32 (rows may be strided) -> [N, heads *
     head_dim]; None when the compiled library is unavailable.
 
     keys, values: [slots, kv_heads, head_dim]; key_slots [B, num_keys] (None: first_slot + j); mask [B, 1,
     max_new, num_keys] bool (None: every key visible); rows [N] the padded row b * max_new + t of each query
-    (None: one sequence, no padding).
+    (None: one sequence, no padding). lib: a built kernel library (default the cached build).
     """
-    lib = library()
+    lib = lib or library()
     if lib is None or q.device.type != "cpu" or q.dtype != torch.float32 or keys.dtype != torch.float32:
         return None
     num_rows, heads, head_dim = q.shape
