@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from engine import cpu_model  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 BUILD_NAMES = ("native", "avx2", "portable")
 TARGETS = {"Q4_1 (GGUF blocks)": "gguf", "int8 (weight-only)": "int8"}
@@ -108,7 +111,7 @@ def main() -> int:
             table.setdefault(name, {})[build] = {"path": runs[build][0]["path"], "tokens_per_s": statistics.median(per_prompt),
                                                  "per_prompt": per_prompt, "tokens_equal_native": same}
     out = {"command": f"python bench/lowbit_builds.py --tokens {args.tokens} --repeats {args.repeats}",
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": cpu_name(),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{cpu_model()}, {os.cpu_count()} cpus",
            "threads": THREADS, "tokens": args.tokens, "repeats": args.repeats, "load_average": os.getloadavg()[0],
            "table": table}
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -117,16 +120,6 @@ def main() -> int:
     (RESULTS / "lowbit_builds.md").write_text(text)
     print(text)
     return 0 if all(row["tokens_equal_native"] for rows in table.values() for row in rows.values()) else 1
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cpus"
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def render(out: dict) -> str:
