@@ -25,55 +25,63 @@
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
 constexpr int64_t PREFETCH_KEYS = 8;
 
-inline f32x16 load16(const float *p) {
-    f32x16 v;
-    std::memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-inline float tree_sum(f32x16 v) {
+inline float tree_sum(const float *lanes) {  // the fixed order: halves, quarters, pairs, the last two
     float t[16];
-    std::memcpy(t, &v, sizeof(t));
+    std::memcpy(t, lanes, sizeof(t));
     for (int width = 8; width >= 1; width /= 2)
         for (int i = 0; i < width; i++) t[i] = t[i] + t[i + width];
     return t[0];
 }
 
-// acc + a * b lane by lane, each lane one fused multiply-add (rounded once). Spelled out because the library is
-// built with -ffp-contract=off: a compiler left to contract `acc += a * b` fuses it on a CPU with FMA and not on
-// one without, and the numbers would differ by build. Without FMA instructions, libm's fmaf gives the same.
-inline f32x16 fma16(f32x16 a, f32x16 b, f32x16 acc) {
+// The dot products and the weighted sum of values are fused multiply-adds, each rounded once, spelled out
+// because the library is built with -ffp-contract=off: a compiler left to contract `acc += a * b` fuses it on a
+// CPU with FMA and not on one without, and the numbers would differ by build. With AVX-512 or AVX2 + FMA the
+// intrinsics, without them libm's fmaf: the same numbers.
+
+// dot(a, b): 16 lanes, lane l the chain of fmas over inputs l, l + 16, ... below D, then the fixed tree.
+inline float dot(const float *a, const float *b, int64_t D) {
+    alignas(64) float lanes[16] = {};
+    int64_t i = 0;
 #if defined(__AVX512F__)
-    return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
-#elif defined(__FMA__)
-    __m256 half[3][2];  // a, b and acc as two halves of 8
-    for (int h = 0; h < 2; h++) {
-        std::memcpy(&half[0][h], (const char *)&a + 32 * h, 32);
-        std::memcpy(&half[1][h], (const char *)&b + 32 * h, 32);
-        std::memcpy(&half[2][h], (const char *)&acc + 32 * h, 32);
-        half[2][h] = _mm256_fmadd_ps(half[0][h], half[1][h], half[2][h]);
-        std::memcpy((char *)&acc + 32 * h, &half[2][h], 32);
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < D) {
+        const __mmask16 tail = (__mmask16)((1u << (D - i)) - 1);
+        acc = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i), acc, tail);
     }
-    return acc;
+    _mm512_store_ps(lanes, acc);
+#elif defined(__FMA__)
+    __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();  // lanes 0..7 and 8..15
+    for (; i + 16 <= D; i += 16) {
+        low = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), low);
+        high = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), high);
+    }
+    _mm256_store_ps(lanes, low);
+    _mm256_store_ps(lanes + 8, high);
+    for (int64_t l = 0; i + l < D; l++) lanes[l] = std::fma(a[i + l], b[i + l], lanes[l]);
 #else
-    for (int l = 0; l < 16; l++) acc[l] = std::fma(a[l], b[l], acc[l]);
-    return acc;
+    for (; i + 16 <= D; i += 16)
+        for (int l = 0; l < 16; l++) lanes[l] = std::fma(a[i + l], b[i + l], lanes[l]);
+    for (int64_t l = 0; i + l < D; l++) lanes[l] = std::fma(a[i + l], b[i + l], lanes[l]);
 #endif
+    return tree_sum(lanes);
 }
 
-inline float dot(const float *a, const float *b, int64_t D) {  // 16 lanes of fmas, then the fixed tree
-    f32x16 acc{};
+// acc[i] = fma(p, value[i], acc[i]) for i < D: element by element, so the vector width does not change a number.
+inline void add_weighted(float p, const float *value, float *acc, int64_t D) {
     int64_t i = 0;
-    for (; i + 16 <= D; i += 16) acc = fma16(load16(a + i), load16(b + i), acc);
-    if (i < D) {  // the tail: lanes past D multiply zeros, and fma(0, 0, acc) == acc
-        float tail_a[16] = {}, tail_b[16] = {};
-        for (int64_t l = 0; i + l < D; l++) tail_a[l] = a[i + l], tail_b[l] = b[i + l];
-        acc = fma16(load16(tail_a), load16(tail_b), acc);
-    }
-    return tree_sum(acc);
+#if defined(__AVX512F__)
+    const __m512 weight = _mm512_set1_ps(p);
+    for (; i + 16 <= D; i += 16)
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + i), _mm512_loadu_ps(acc + i)));
+#elif defined(__FMA__)
+    const __m256 weight = _mm256_set1_ps(p);
+    for (; i + 8 <= D; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + i), _mm256_loadu_ps(acc + i)));
+#endif
+    for (; i < D; i++) acc[i] = std::fma(p, value[i], acc[i]);
 }
 
 // exp(x) for x <= 0 (scores minus their max): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7
@@ -146,7 +154,7 @@ extern "C" void lowbit_attention(const float *q, int64_t N, int64_t q_stride, in
                 for (int64_t h = 0; h < group; h++) {
                     const float p = scores[h * K + j];
                     float *a = acc.data() + h * D;
-                    for (int64_t i = 0; i < D; i++) a[i] = std::fma(p, value[i], a[i]);
+                    add_weighted(p, value, a, D);
                 }
             }
             for (int64_t h = 0; h < group; h++) {
