@@ -41,6 +41,7 @@ from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
 from specmesh.drafters.model import ModelDrafter  # noqa: E402
 from specmesh.drafters.ngram import PromptLookupDrafter  # noqa: E402
 from specmesh.models.chat import chat_prompt_ids  # noqa: E402
+from specmesh.models.engine import measure_step  # noqa: E402
 from specmesh.models.load import load_engine  # noqa: E402
 from specmesh.models.resolve import resolve_model_spec  # noqa: E402
 
@@ -73,6 +74,8 @@ def main() -> int:
     q4 = load_engine(folder, dtype="float32", quantize="gguf")
     bf16 = load_engine(folder, dtype="bfloat16")
     int8 = load_engine(folder, dtype="float32", quantize="int8-dynamic")
+    for engine in (fp32, q4, bf16, int8):  # as `specmesh generate --local` does: the costs known before a first round
+        measure_step(engine)
     targets = {"fp32": TargetVerifier(fp32), "Q4_1": TargetVerifier(q4)}
     methods = {  # name -> (target, drafter factory or None)
         "fp32 plain": ("fp32", None),

@@ -153,6 +153,7 @@ class AdaptiveK:
         self.draft_ms_per_token: float | None = None
         self.decode_ms: float | None = None  # v1
         self.catch_up_ms_per_token: float | None = None  # measured on catch-up rounds (`probe_pays`)
+        self._catch_up_prior: float | None = None  # the drafter's prefill ms per token, until measured
         self._rounds_at_zero = 0
         self._probe_interval = self.probe_every
         self._k = self.k_init
@@ -160,10 +161,15 @@ class AdaptiveK:
     def next_k(self) -> int:
         return self._k
 
-    def prior_costs(self, draft_ms_per_token: float | None, decode_ms: float | None) -> None:
+    def prior_costs(self, draft_ms_per_token: float | None, decode_ms: float | None,
+                    catch_up_ms_per_token: float | None = None) -> None:
         """Costs known before this generation's first round (the engines' own one-token forward times
         in this process, `EngineStats.step_ms`): they stand in until rounds measure them, and choose
-        the first k, which is 0 when drafting cannot pay at these costs. Ignored once rounds measured."""
+        the first k, which is 0 when drafting cannot pay at these costs. Ignored once rounds measured.
+        `catch_up_ms_per_token` (the drafter's engine's prefill ms per token) prices a probe's catch-up
+        until a catch-up round measures it (`catch_up_ms`)."""
+        if catch_up_ms_per_token is not None and self.catch_up_ms_per_token is None:
+            self._catch_up_prior = catch_up_ms_per_token
         if draft_ms_per_token is None or decode_ms is None or self.draft_ms_per_token is not None:
             return
         self.draft_ms_per_token, self.decode_ms = draft_ms_per_token, decode_ms
@@ -194,10 +200,13 @@ class AdaptiveK:
         return outlook.tokens_left * saved > outlook.catch_up_tokens * self.catch_up_ms()
 
     def catch_up_ms(self) -> float:
-        """ms per token a drafter takes to catch up: measured on catch-up rounds, else the prior: a
-        token of a forward costs what the target's verify forward adds per token, beta of a step."""
+        """ms per token a drafter takes to catch up: measured on catch-up rounds, else the drafter's
+        engine's prefill cost per token (`prior_costs`), else the prior: a token of a forward costs
+        what the target's verify forward adds per token, beta of a step."""
         if self.catch_up_ms_per_token is not None:
             return self.catch_up_ms_per_token
+        if self._catch_up_prior is not None:
+            return self._catch_up_prior
         return (self.draft_ms_per_token or 0.0) * self.beta
 
     def update(self, num_drafted: int, num_accepted: int, draft_ms: float, verify_ms: float,

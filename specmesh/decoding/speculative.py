@@ -76,7 +76,8 @@ def speculative_stream(
         vocab_size=engine.vocab_size, plain_stretches=plain_stretches,
     )
     if isinstance(state.k_policy, AdaptiveK) and drafter is not None:  # this process's measured costs, if any
-        state.k_policy.prior_costs(getattr(drafter, "ms_per_token", None), engine.stats.step_ms)
+        state.k_policy.prior_costs(getattr(drafter, "ms_per_token", None), engine.stats.step_ms,
+                                   getattr(drafter, "catch_up_ms_per_token", None))
     start = time.perf_counter()
     session = verifier.open(prompt_ids, params, target_generator)
     draft_state = None

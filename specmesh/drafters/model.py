@@ -97,6 +97,12 @@ class ModelDrafter:
         time (`EngineStats.step_ms`; None until one ran). A k policy's prior (`AdaptiveK.prior_costs`)."""
         return self.engine.stats.step_ms
 
+    @property
+    def catch_up_ms_per_token(self) -> float | None:
+        """What taking in a token it was not told costs here: its engine's prefill ms per token
+        (`EngineStats.prefill_ms_per_token`; None until a prefill ran). A k policy's prior for a probe's catch-up."""
+        return self.engine.stats.prefill_ms_per_token
+
     def open(self, prompt_ids: Sequence[int]) -> ModelDraftState:
         """The prompt is prefilled lazily with the first proposal (it rides in the same forward)."""
         seq_id = self.engine.new_sequence()

@@ -83,9 +83,20 @@ class EngineStats:
     # wall ms of a one-token forward (a decode step of one sequence), averaged over the recent ones; None
     # until one ran. What a drafter's token and a target's step cost here, before a generation measures them
     step_ms: float | None = None
+    # wall ms per token of a one-sequence forward of PREFILL_STAT_TOKENS or more (a prefill chunk), averaged the
+    # same way: what a drafter's catch-up on tokens it was not told costs here (`AdaptiveK.prior_costs`)
+    prefill_ms_per_token: float | None = None
 
     def record_step(self, ms: float, weight: float = 0.2) -> None:
         self.step_ms = ms if self.step_ms is None else (1 - weight) * self.step_ms + weight * ms
+
+    def record_prefill(self, ms: float, tokens: int, weight: float = 0.2) -> None:
+        per_token = ms / tokens
+        old = self.prefill_ms_per_token
+        self.prefill_ms_per_token = per_token if old is None else (1 - weight) * old + weight * per_token
+
+
+PREFILL_STAT_TOKENS = 8  # one-sequence forwards of this many tokens or more count as prefill (`EngineStats`)
 
 
 class Engine(Protocol):
@@ -129,8 +140,9 @@ def measure_step(engine: Engine, num_steps: int = 3) -> float | None:
     """Time `num_steps` one-token forwards of a scratch sequence (freed after; the first, which may
     pay one-off set-up, is not timed) so `engine.stats.step_ms` is known before the first
     generation: the prior that lets a k policy skip a drafter that cannot pay here from its first
-    round (`AdaptiveK.prior_costs`). The scratch forwards are not counted in the other stats. None
-    for a backend that does not time its steps."""
+    round (`AdaptiveK.prior_costs`); then one scratch prefill of 2 * PREFILL_STAT_TOKENS tokens for
+    `prefill_ms_per_token` (what a drafter's catch-up costs per token). The scratch forwards are not
+    counted in the other stats. None for a backend that does not time its steps."""
     if engine.backend != "native":
         return None
     kept = dataclasses.replace(engine.stats)
@@ -142,6 +154,11 @@ def measure_step(engine: Engine, num_steps: int = 3) -> float | None:
                 engine.stats.step_ms = kept.step_ms
     finally:
         engine.free(seq_id)
-    for name in (f.name for f in dataclasses.fields(kept) if f.name != "step_ms"):
+    seq_id = engine.new_sequence()
+    try:
+        engine.forward([SeqInput(seq_id, [0] * (2 * PREFILL_STAT_TOKENS), logits_at=[2 * PREFILL_STAT_TOKENS - 1])])
+    finally:
+        engine.free(seq_id)
+    for name in (f.name for f in dataclasses.fields(kept) if f.name not in ("step_ms", "prefill_ms_per_token")):
         setattr(engine.stats, name, getattr(kept, name))
     return engine.stats.step_ms

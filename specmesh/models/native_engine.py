@@ -20,7 +20,15 @@ import torch
 
 from specmesh.kv.cache import PagedKVCache
 from specmesh.models import fastpath, graphs
-from specmesh.models.engine import DEFAULT_MAX_KV_TOKENS, NO_PARENT, ContextLengthError, EngineStats, KvUsage, SeqInput
+from specmesh.models.engine import (
+    DEFAULT_MAX_KV_TOKENS,
+    NO_PARENT,
+    PREFILL_STAT_TOKENS,
+    ContextLengthError,
+    EngineStats,
+    KvUsage,
+    SeqInput,
+)
 from specmesh.models.llama import AttentionBatch, LlamaFamilyModel
 
 DEFAULT_BLOCK_SIZE = 16
@@ -200,10 +208,14 @@ class NativeEngine:
         self.stats.num_sequences_forwarded += len(batch)
         self.stats.num_tokens_forwarded += len(new_slots)
         self.stats.num_attention_rows += num_rows
-        if len(new_slots) == 1:
+        if len(new_slots) == 1 or (len(batch) == 1 and len(new_slots) >= PREFILL_STAT_TOKENS):
             if self.device.type == "cuda":  # the step's kernels run after this returns: time them, not their launch
                 torch.cuda.synchronize(self.device)
-            self.stats.record_step((time.perf_counter() - begin) * 1e3)
+            ms = (time.perf_counter() - begin) * 1e3
+            if len(new_slots) == 1:
+                self.stats.record_step(ms)
+            else:
+                self.stats.record_prefill(ms, len(new_slots))
         if len(batch) == 1:
             return [logits]
         return list(logits.split([len(item.logits_at) for item in batch]))

@@ -11,7 +11,7 @@ from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
-from specmesh.models.engine import measure_step
+from specmesh.models.engine import PREFILL_STAT_TOKENS, SeqInput, measure_step
 from specmesh.models.load import load_engine
 
 
@@ -21,13 +21,14 @@ def test_a_fresh_engine_knows_its_step_and_keeps_no_trace(tiny_model_dir):
     assert before.step_ms is None
     step_ms = measure_step(engine)
     assert step_ms is not None and step_ms > 0 and engine.stats.step_ms == step_ms
-    assert dataclasses.replace(engine.stats, step_ms=None) == before  # no forward counted
+    assert engine.stats.prefill_ms_per_token is not None and engine.stats.prefill_ms_per_token > 0
+    assert dataclasses.replace(engine.stats, step_ms=None, prefill_ms_per_token=None) == before  # no forward counted
     assert engine.kv_usage().free_blocks == free
 
 
 def test_an_hf_engine_is_left_as_it_is(tiny_model_dir):
     engine = load_engine(tiny_model_dir("llama"), backend="hf", dtype="float64")
-    assert measure_step(engine) is None and engine.stats.step_ms is None
+    assert measure_step(engine) is None and engine.stats.step_ms is None and engine.stats.prefill_ms_per_token is None
 
 
 def test_with_measured_steps_a_drafter_slower_than_the_target_is_not_run_in_the_first_round(tiny_model_dir):
@@ -39,3 +40,18 @@ def test_with_measured_steps_a_drafter_slower_than_the_target_is_not_run_in_the_
     result = generate(TargetVerifier(target), ModelDrafter(draft), [1, 2, 3],
                       SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True), k_policy=AdaptiveK())
     assert len(result.token_ids) == 12 and not any(event.num_draft_tokens for event in result.events)
+
+
+def test_a_one_sequence_prefill_records_what_a_token_of_it_costs(tiny_model_dir):
+    """What a model drafter's catch-up on tokens it was not told costs (`ModelDrafter.catch_up_ms_per_token`):
+    one-sequence forwards of PREFILL_STAT_TOKENS or more; not decode steps, not a batch of sequences."""
+    engine = load_engine(tiny_model_dir("llama"), dtype="float64")
+    drafter = ModelDrafter(engine)
+    first, second = engine.new_sequence(), engine.new_sequence()
+    short = list(range(1, PREFILL_STAT_TOKENS))
+    engine.forward([SeqInput(first, short, logits_at=[len(short) - 1])])
+    engine.forward([SeqInput(first, [5], logits_at=[0]), SeqInput(second, list(range(1, 20)), logits_at=[18])])
+    assert engine.stats.prefill_ms_per_token is None and drafter.catch_up_ms_per_token is None
+    engine.forward([SeqInput(first, list(range(1, 20)), logits_at=[18])])
+    assert engine.stats.prefill_ms_per_token is not None and engine.stats.prefill_ms_per_token > 0
+    assert drafter.catch_up_ms_per_token == engine.stats.prefill_ms_per_token

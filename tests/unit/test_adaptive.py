@@ -173,12 +173,13 @@ def test_prior_costs_stand_in_only_until_rounds_measure():
     assert unknown.next_k() == unknown.k_init and unknown.could_pay()
 
 
-def _probes(outlook: Outlook | None, rounds: int = 20) -> int:
+def _probes(outlook: Outlook | None, rounds: int = 20, catch_up_ms: float | None = None) -> int:
     """A bf16 self-draft on this CPU: 29 ms a draft token against a 22 ms step (no k pays, k = 0 from
     the start), then steps measured at 36 ms (the machine got busy): a draft token now costs less than
-    the verify time it could save, so probes are due again. How many of `rounds` rounds drafted."""
+    the verify time it could save, so probes are due again. How many of `rounds` rounds drafted.
+    `catch_up_ms`: the drafter engine's prefill ms per token, as the prior of a catch-up token."""
     policy = AdaptiveK(probe_every=2, max_probe_every=4)
-    policy.prior_costs(draft_ms_per_token=29.0, decode_ms=22.0)
+    policy.prior_costs(draft_ms_per_token=29.0, decode_ms=22.0, catch_up_ms_per_token=catch_up_ms)
     assert policy.next_k() == 0 and not policy.could_pay()
     ks = []
     for _ in range(rounds):
@@ -210,3 +211,19 @@ def test_catch_up_rounds_measure_the_catch_up_cost_not_a_draft_token():
     free = AdaptiveK()
     free.update(4, 0, draft_ms=0.0, verify_ms=30.0, catch_up=50)
     assert free.catch_up_ms() == 0.0 and free.probe_pays(Outlook(catch_up_tokens=10_000, tokens_left=1))
+
+
+def test_the_drafters_prefill_cost_prices_a_probes_catch_up_until_a_catch_up_round_measures_it():
+    """A drafter whose prefill costs more per token than beta of its step (the int8 kernel's on a CPU):
+    80 tokens to catch up at 20 ms (its prefill's cost) = 1,600 ms, against at most 400 * 3.4 = 1,360 ms
+    saved: no probe, where beta's prior (2.9 ms a token: 232 ms) makes them. A measured catch-up wins."""
+    assert _probes(Outlook(catch_up_tokens=80, tokens_left=400)) >= 2
+    assert _probes(Outlook(catch_up_tokens=80, tokens_left=400), catch_up_ms=20.0) == 0
+    assert _probes(Outlook(catch_up_tokens=0, tokens_left=400), catch_up_ms=20.0) >= 2  # nothing to catch up
+    policy = AdaptiveK()
+    policy.prior_costs(draft_ms_per_token=5.0, decode_ms=30.0, catch_up_ms_per_token=20.0)
+    assert policy.catch_up_ms() == 20.0
+    policy.update(2, 1, draft_ms=2 * 5.0 + 40 * 1.5, verify_ms=30.0, catch_up=40)
+    assert policy.catch_up_ms() == pytest.approx(1.5)
+    policy.prior_costs(5.0, 30.0, catch_up_ms_per_token=20.0)  # too late: a round measured it
+    assert policy.catch_up_ms() == pytest.approx(1.5)
