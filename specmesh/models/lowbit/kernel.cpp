@@ -389,10 +389,14 @@ void q8_pass(const Row *rows, int64_t K, const int8_t *codes, const S *scales, i
     }
 }
 
-// Rows in passes of up to 8 (the weight chunk is decoded once per pass). Output rows are split across threads in
+// Rows in passes of up to PASS_ROWS (the weight chunk is decoded once per pass). Output rows are split across threads in
 // contiguous static chunks, and each thread walks its chunk in blocks of 32 outputs, running every pass over a
 // block before the next: a block's weights (at most tens of KB) stay in cache however many rows the call has,
 // so a prompt of hundreds of tokens costs one read of the weight.
+// Rows per pass: 8 where 32 vector registers hold their accumulators (AVX-512), 4 on AVX2's 16 (8 rows' 16
+// accumulators would spill). A row's numbers do not depend on the pass it is in.
+constexpr int64_t PASS_ROWS = LOWBIT_AVX2 ? 4 : 8;
+
 template <typename Pass>
 void over_rows(const Quantized &xq, int64_t M, int64_t N, int num_threads, Pass pass) {
     constexpr int64_t OUTPUT_BLOCK = 32;
@@ -403,9 +407,9 @@ void over_rows(const Quantized &xq, int64_t M, int64_t N, int num_threads, Pass 
         const int64_t n0 = N * t / num_threads, n1 = N * (t + 1) / num_threads;
         for (int64_t b0 = n0; b0 < n1; b0 += OUTPUT_BLOCK) {
             const int64_t b1 = b0 + OUTPUT_BLOCK < n1 ? b0 + OUTPUT_BLOCK : n1;
-            for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
                 const Row *r = rows.data() + m0;
-                switch (M - m0 < 8 ? M - m0 : 8) {
+                switch (M - m0 < PASS_ROWS ? M - m0 : PASS_ROWS) {
                     case 1: pass.template operator()<1>(r, m0, b0, b1); break;
                     case 2: pass.template operator()<2>(r, m0, b0, b1); break;
                     case 3: pass.template operator()<3>(r, m0, b0, b1); break;
