@@ -133,6 +133,15 @@ inline void add_offsets(Lanes &acc, const S *offsets, const Row &x, int64_t K) {
     }
 }
 
+#if LOWBIT_VNNI || LOWBIT_AVX2
+// The rest of tree_sum once its first step (lane i + lane i + 8) is done: quarters, pairs, the last two lanes.
+inline float tree_sum_eight(__m256 eight) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+#endif
+
 #if LOWBIT_VNNI
 // Scales of the groups one chunk covers, spread over the 16 lanes (lane l gets group l / (16 / groups)).
 template <typename S, int GROUPS>
@@ -166,12 +175,9 @@ inline __m512 accumulate_chunk(__m512 acc, __m512i dot, __m512 weight_scales, co
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
 }
 
-// tree_sum's order with shuffles: halves, quarters, pairs, then the last two lanes.
+// tree_sum's order with shuffles: halves (lane i + lane i + 8), then tree_sum_eight.
 inline float tree_sum_vnni(__m512 v) {
-    const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+    return tree_sum_eight(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 
 template <typename S>
@@ -225,13 +231,8 @@ inline Halves accumulate_halves(Halves acc, __m256i dot_low, __m256i dot_high, H
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_high), high, acc.high)};
 }
 
-// tree_sum's order: lane i + lane i + 8 is the sum of the halves, then quarters, pairs and the last two lanes.
-inline float tree_sum_halves(Halves v) {
-    const __m256 eight = _mm256_add_ps(v.low, v.high);
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-}
+// tree_sum's order: lane i + lane i + 8 is the sum of the halves, then tree_sum_eight.
+inline float tree_sum_halves(Halves v) { return tree_sum_eight(_mm256_add_ps(v.low, v.high)); }
 
 // add_offsets on two halves: 16 blocks per step, lanes past the last block adding fma(0, 0, acc).
 template <typename S>
@@ -239,12 +240,14 @@ inline Halves add_offsets_halves(Halves acc, const S *offsets, const Row &x, int
     const int64_t blocks = K / BLOCK;
     for (int64_t b0 = 0; b0 < blocks; b0 += LANES) {
         __m256 o_low, o_high;
-        if (blocks - b0 >= LANES && sizeof(S) == 2) {
-            o_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + b0)));
-            o_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + b0 + 8)));
-        } else if (blocks - b0 >= LANES) {
-            o_low = _mm256_loadu_ps((const float *)(offsets + b0));
-            o_high = _mm256_loadu_ps((const float *)(offsets + b0 + 8));
+        if (blocks - b0 >= LANES) {
+            if constexpr (sizeof(S) == 2) {
+                o_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + b0)));
+                o_high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + b0 + 8)));
+            } else {
+                o_low = _mm256_loadu_ps((const float *)(offsets + b0));
+                o_high = _mm256_loadu_ps((const float *)(offsets + b0 + 8));
+            }
         } else {
             alignas(32) float o[LANES] = {};  // the last, partial step
             for (int64_t l = 0; l < blocks - b0; l++) o[l] = to_float(offsets[b0 + l]);
