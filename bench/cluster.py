@@ -160,19 +160,26 @@ def overhead(addresses: dict[str, str], folder: str, tokenizer) -> list[dict]:
     return rows
 
 
-async def concurrent(address: str, n: int, mode: int, drafter: str) -> dict:
-    """n clients, each asking every prompt in turn (client i starts at prompt i)."""
+async def concurrent(address: str, n: int, mode: int, drafter: str, outputs: bool = False) -> dict:
+    """n clients, each asking every prompt in turn (client i starts at prompt i); with `outputs`, also
+    each request's tokens by its prompt (client i's prompts end in " (i)")."""
     async def client(i: int) -> list[dict]:
-        return [await through_cluster(address, PROMPTS[(i + j) % len(PROMPTS)] + f" ({i})", mode, drafter,
-                                      CONCURRENT_NEW_TOKENS) for j in range(len(PROMPTS))]
+        runs = []
+        for j in range(len(PROMPTS)):
+            prompt = PROMPTS[(i + j) % len(PROMPTS)] + f" ({i})"
+            runs.append({**await through_cluster(address, prompt, mode, drafter, CONCURRENT_NEW_TOKENS), "prompt": prompt})
+        return runs
 
     start = time.perf_counter()
     results = [r for runs in await asyncio.gather(*(client(i) for i in range(n))) for r in runs]
     wall = time.perf_counter() - start
     tokens = sum(len(r["tokens"]) for r in results)
-    return {"clients": n, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "drafted_per_round": sum(r["drafted"] for r in results) / sum(r["rounds"] for r in results),
-            "acceptance": sum(r["accepted"] for r in results) / max(1, sum(r["drafted"] for r in results))}
+    out = {"clients": n, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+           "drafted_per_round": sum(r["drafted"] for r in results) / sum(r["rounds"] for r in results),
+           "acceptance": sum(r["accepted"] for r in results) / max(1, sum(r["drafted"] for r in results))}
+    if outputs:
+        out["outputs"] = {r["prompt"]: r["tokens"] for r in results}
+    return out
 
 
 def aggregate(addresses: dict[str, str]) -> list[dict]:

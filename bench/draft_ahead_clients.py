@@ -2,9 +2,9 @@
 decoding through the same cluster (issue 29: speculative with draft-ahead >= autoregressive aggregate tok/s).
 
 The placement of bench/draft_ahead.py and the shipped config: a bf16 self-draft Draft service drafting ahead
-pinned to core 0, the fp32 Verify service pinned to core 1, one thread each, and a Coordinator. Each of the
-CLIENTS clients asks the prompts of bench/cluster.py one after the other (greedy, TOKENS new tokens each, the
-same work in every mode). Modes, through the one Coordinator:
+pinned to core 0, the fp32 Verify service pinned to core 1, one thread each, and a Coordinator. Each client
+asks the prompts of bench/cluster.py one after the other (`cluster.concurrent`: greedy, 32 new tokens each,
+the same work in every mode). Modes, through the one Coordinator:
 - speculative, Draft service drafting ahead: `--mode speculative --drafter service`, adaptive k (the measured
   costs decide whether a round drafts, and how far ahead);
 - speculative, n-gram drafts: `--drafter ngram` (made in the Coordinator: this Verify service hosts none);
@@ -35,40 +35,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cluster import AR, PROMPTS, SPEC, through_cluster  # noqa: E402
+from cluster import AR, CONCURRENT_NEW_TOKENS, PROMPTS, SPEC, concurrent  # noqa: E402
 from draft_ahead import config  # noqa: E402
 from engine import cpu_model  # noqa: E402
 
 from client.cluster import Cluster  # noqa: E402
 from specmesh.models.resolve import resolve_model_spec  # noqa: E402
 
-TOKENS = 32
 MODES = {  # name: (mode, drafter)
     "speculative, Draft service drafting ahead": (SPEC, "service"),
     "speculative, n-gram drafts": (SPEC, "ngram"),
     "autoregressive": (AR, ""),
 }
 BASE = "autoregressive"
-
-
-async def clients(address: str, n: int, mode: int, drafter: str) -> dict:
-    """n clients, client i asking every prompt in turn from prompt i; tokens per (client, prompt)."""
-    async def client(i: int) -> list[tuple[str, list[int], dict]]:
-        out = []
-        for j in range(len(PROMPTS)):
-            prompt = PROMPTS[(i + j) % len(PROMPTS)] + f" ({i})"
-            run = await through_cluster(address, prompt, mode, drafter, TOKENS)
-            out.append((prompt, run["tokens"], run))
-        return out
-
-    start = time.perf_counter()
-    results = [r for runs in await asyncio.gather(*(client(i) for i in range(n))) for r in runs]
-    wall = time.perf_counter() - start
-    tokens = sum(len(t) for _, t, _ in results)
-    rounds = sum(run["rounds"] for _, _, run in results)
-    return {"tokens_per_s": tokens / wall, "wall_s": wall, "tokens": {p: t for p, t, _ in results},
-            "drafted_per_round": sum(run["drafted"] for _, _, run in results) / max(1, rounds),
-            "acceptance": sum(run["accepted"] for _, _, run in results) / max(1, sum(run["drafted"] for _, _, run in results))}
 
 
 def main() -> int:
@@ -84,16 +63,16 @@ def main() -> int:
         with Cluster.from_yaml(path, log_dir=tmp) as cluster:
             address = cluster.addresses["ahead"]
             for mode, drafter in MODES.values():  # warm-up: kernels, and the coordinator's measured costs
-                asyncio.run(clients(address, 2, mode, drafter))
+                asyncio.run(concurrent(address, 2, mode, drafter))
             for repeat in range(args.repeats):
                 for name in (list(MODES) if repeat % 2 == 0 else list(MODES)[::-1]):
-                    runs[name].append(asyncio.run(clients(address, args.clients, *MODES[name])))
+                    runs[name].append(asyncio.run(concurrent(address, args.clients, *MODES[name], outputs=True)))
                 print(f"round {repeat + 1}/{args.repeats}: " + ", ".join(
                     f"{name} {r[-1]['tokens_per_s']:.1f} tok/s" for name, r in runs.items()), flush=True)
 
     rows = []
     for name, name_runs in runs.items():
-        exact = all(run["tokens"] == base["tokens"] for run, base in zip(name_runs, runs[BASE]))
+        exact = all(run["outputs"] == base["outputs"] for run, base in zip(name_runs, runs[BASE]))
         paired = [run["tokens_per_s"] / base["tokens_per_s"] for run, base in zip(name_runs, runs[BASE])]
         rows.append({"mode": name, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in name_runs),
                      "paired_ratios": paired, "exact": exact,
@@ -104,7 +83,7 @@ def main() -> int:
         row["ratio"] = row["tokens_per_s"] / base_tps
     out = {"command": f".venv/bin/python bench/draft_ahead_clients.py --clients {args.clients} --repeats {args.repeats}",
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{cpu_model()}, {os.cpu_count()} cpus",
-           "clients": args.clients, "repeats": args.repeats, "tokens": TOKENS, "load_average": os.getloadavg()[0],
+           "clients": args.clients, "repeats": args.repeats, "tokens": CONCURRENT_NEW_TOKENS, "load_average": os.getloadavg()[0],
            "rows": [{k: v for k, v in row.items()} for row in rows]}
     results = ROOT / "bench" / "results"
     (results / "draft_ahead_clients.json").write_text(json.dumps(out, indent=1) + "\n")
