@@ -128,6 +128,12 @@ class KPolicy(Protocol):
         """Whether a draft whose first token is accepted with probability `acceptance` is worth verifying."""
         ...
 
+    def plain_rounds_ahead(self) -> int | None:
+        """Rounds from the next one on (counting it) that this policy keeps at k = 0 while only plain
+        rounds come and its costs hold: 0 when it drafts next; None when no bound is known (it would
+        stay at 0 to the end). A driver may hand that many rounds to the verifier in one go."""
+        ...
+
 
 def expected_tokens(acceptance: float, k: int) -> float:
     """E(k) = 1 + a + ... + a^k: tokens per round with k drafts at per-token acceptance a."""
@@ -240,6 +246,18 @@ class AdaptiveK:
         lookups) take microseconds."""
         return acceptance > self.beta
 
+    def plain_rounds_ahead(self) -> int | None:
+        """`KPolicy.plain_rounds_ahead`: at k = 0, the rounds until the next probe (each plain round
+        brings it one closer); None when no probe can come at these costs: drafting cannot pay
+        (`could_pay`), or a probe is due and was not made, because it could not win back its catch-up
+        (`probe_pays`), which holds the more as the request's tokens run out and its catch-up grows."""
+        if self._k != 0:
+            return 0
+        due_in = self._probe_interval - self._rounds_at_zero
+        if due_in <= 0 or not self.could_pay():
+            return None
+        return due_in
+
     def speed(self, k: int) -> float:
         """Expected tokens per ms at draft length k under the current estimates."""
         decode_ms = self.decode_ms or 1.0
@@ -284,3 +302,6 @@ class FixedK:
     def pays(self, acceptance: float) -> bool:
         """A fixed k is verified as drafted."""
         return True
+
+    def plain_rounds_ahead(self) -> int | None:
+        return None if self.k == 0 else 0

@@ -44,6 +44,7 @@ from specmesh.decoding.stats import SpecStats
 
 DRAFT_SEED_SALT = 0x5EED_D4AF  # the drafter's generator is seeded with seed ^ this
 PLAIN_STRETCH_MAX = 16  # the longest plain stretch (rounds the drafter is not asked); see SpeculationState.plain_rounds
+PLAIN_RUN_MAX = 64  # the most rounds plain_rounds_from_here hands out when the k policy sets no bound
 
 
 def draft_seed(seed: int) -> int:
@@ -202,13 +203,25 @@ class SpeculationState:
 
     def plain_rounds_from_here(self) -> int:
         """For a round with nothing to verify (k = 0, or its draft empty or withheld): how many rounds
-        decode plainly from this one on, counting it: it and the plain stretch that recording it
-        starts (`plain_rounds`), or 1 without plain stretches. A driver may run them in one go."""
-        if self._stretch_left:  # a stretch deferred by the round before's draft: this round is its first
-            return self._stretch_left
+        decode plainly from this one on, counting it, or 1 without plain stretches. A driver may run
+        them in one go. They are this round and the plain stretch that recording it starts
+        (`plain_rounds`), and more while the k policy stays at 0 (`KPolicy.plain_rounds_ahead`): its
+        rounds at k = 0 are plain too, each one ending a stretch starting the next, up to the first
+        round after a stretch at which the policy drafts (at most PLAIN_RUN_MAX rounds when it sets no
+        bound). Were the policy's costs to change within them, the rounds stay plain: only which
+        rounds draft changes, never the target's tokens."""
         if not self._stretches:
             return 1
-        return 1 + min(PLAIN_STRETCH_MAX, 2**self._fruitless_rounds)
+        policy_rounds = self.k_policy.plain_rounds_ahead()
+        until = PLAIN_RUN_MAX if policy_rounds is None else policy_rounds
+        fruitless = self._fruitless_rounds
+        if self._stretch_left:  # a stretch deferred by the round before's draft: this round is its first
+            rounds = self._stretch_left
+        else:  # this round, and the stretch recording it starts
+            rounds, fruitless = 1 + min(PLAIN_STRETCH_MAX, 2**fruitless), fruitless + 1
+        while rounds < until:  # a round after a stretch at which the policy stays at 0, and its stretch
+            rounds, fruitless = rounds + 1 + min(PLAIN_STRETCH_MAX, 2**fruitless), fruitless + 1
+        return rounds
 
     def gate(self, proposal: DraftProposal) -> DraftProposal:
         """The proposal to verify: none (plain decoding this round) when the drafter estimates its

@@ -122,8 +122,8 @@ def test_greedy_through_the_coordinator_equals_target_only(cluster, target, toke
     assert last.stats.num_generated_tokens == 40 and last.stats.num_failovers == 0
     if mode != "autoregressive" and k:
         assert last.stats.num_draft_tokens > 0  # a fixed k drafts every round
-    elif mode != "autoregressive":  # adaptive k drafts, or withholds the drafts the service's measured costs say do not pay
-        assert last.stats.num_draft_tokens + last.stats.num_withheld_drafts > 0
+    # (adaptive k drafts, withholds drafts, or, where the services' measured costs say no draft can pay, decodes
+    # the request plainly in one Run: which one depends on this machine's timings; the tokens are the same)
     assert last.stats.drafter == drafted_by
     assert last.stats.plan == plan  # the plan chosen (specmesh.decoding.plan), named in the final stats
 

@@ -9,12 +9,44 @@ import pytest
 from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, LinearCostFit
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
-from specmesh.decoding.state import SpeculationState
+from specmesh.decoding.state import PLAIN_RUN_MAX, SpeculationState
 from specmesh.drafters.ngram import ACCEPTANCE_PRIOR, PromptLookupDrafter, PromptLookupIndex
 
 
 def _prior_mean(hits: int = 0, predictions: int = 0) -> float:
     return (hits + ACCEPTANCE_PRIOR[0]) / (predictions + sum(ACCEPTANCE_PRIOR))
+
+
+def _policy_at_zero(draft_ms: float, decode_ms: float) -> AdaptiveK:
+    policy = AdaptiveK()
+    policy.acceptance = 0.05  # no k beats plain decoding at these costs
+    policy.prior_costs(draft_ms, decode_ms)
+    assert policy.next_k() == 0
+    return policy
+
+
+@pytest.mark.parametrize("draft_ms, expected_rounds", [(1.0, 10), (20.0, 70)])
+def test_a_plain_run_goes_on_while_the_policy_stays_at_zero(draft_ms, expected_rounds):
+    """At k = 0 a round and its stretch are plain, and so is every round after them at which the policy
+    stays at 0: `plain_rounds_from_here` hands them out together, up to the first round after a stretch
+    at which the policy would probe (its probe comes due after probe_every = 8 rounds: the stretches of
+    1, 2, 4 end at rounds 2, 5, 10), or to the first such round past PLAIN_RUN_MAX when no probe can come (a
+    draft token costs more than the step it saves; stretches of 1, 2, 4, 8, 16, 16, 16 end at round 70).
+    Stepped round by round, every one of them is plain."""
+    state = SpeculationState(SamplingParams(temperature=0, max_new_tokens=500), num_prompt_tokens=4, max_context=1024,
+                             k_policy=_policy_at_zero(draft_ms, 10.0), plain_stretches=True)
+    state.start(7)
+    if draft_ms < 10.0:
+        assert state.k_policy.plain_rounds_ahead() == 8
+    else:
+        assert not state.k_policy.could_pay() and state.k_policy.plain_rounds_ahead() is None
+    rounds = state.plain_rounds_from_here()
+    assert rounds == expected_rounds and (draft_ms < 10.0 or rounds >= PLAIN_RUN_MAX)
+    for _ in range(rounds):
+        assert state.next_k() == 0
+        state.record(0, 0, [6], verify_ms=10.0)
+    if draft_ms < 10.0:  # the probe came due inside the last stretch (round 8)
+        assert state.k_policy._probe_interval == 16
 
 
 def test_the_index_scores_each_match_order_on_the_tokens_it_is_given():
@@ -98,7 +130,7 @@ def test_plain_stretches_grow_while_drafts_do_not_pay_and_end_at_a_verified_draf
     """m rounds in a row that accept no draft token (here: withheld drafts) make the next
     min(2^(m-1), 16) rounds plain without asking the drafter; an accepted draft token starts over, a
     rejected draft does not. Off unless asked for."""
-    policy = AdaptiveK(beta=0.5)  # acceptance 0.0 never beats it
+    policy = AdaptiveK(beta=0.5, allow_zero=False)  # acceptance 0.0 never beats it; k stays >= 1 (a policy at 0: below)
     state = SpeculationState(SamplingParams(temperature=0, max_new_tokens=900), num_prompt_tokens=4, max_context=2048,
                              k_policy=policy, plain_stretches=True)
     state.start(7)
