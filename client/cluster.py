@@ -132,7 +132,7 @@ class Cluster:
         return [spec.address for spec in self.specs if spec.kind == kind]
 
     def command(self, spec: ServiceSpec) -> list[str]:
-        return [self.python, "-m", MODULES[spec.kind], *to_argv(spec.options)]
+        return [self.python, "-m", MODULES[spec.kind], *to_argv({**spec.launch_options, **spec.options})]
 
     def environment(self, spec: ServiceSpec) -> dict[str, str]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -154,7 +154,7 @@ class Cluster:
                 log.flush()
             self.processes[spec.name] = subprocess.Popen(self.command(spec), stdout=log, stderr=subprocess.STDOUT,
                                                          cwd=ROOT, env=env, start_new_session=True,
-                                                         preexec_fn=_pin(spec.cpus) if spec.cpus else None)
+                                                         preexec_fn=_pin(spec.affinity) if spec.affinity else None)
         self._started_s[spec.name] = time.monotonic()
 
     def supervise(self) -> list[str]:
@@ -275,6 +275,7 @@ def describe(cluster: Cluster) -> list[str]:
         metrics = f", metrics {spec.metrics_url}" if spec.metrics_url else ""
         threads = f", {spec.torch_threads} thread(s)" if spec.torch_threads else ""
         threads += f" on cpus {','.join(map(str, spec.cpus))}" if spec.cpus else ""
+        threads += f" (+{len(spec.borrow_cpus)} on {','.join(map(str, spec.borrow_cpus))} while lent)" if spec.borrow_cpus else ""
         pid = cluster.processes[spec.name].pid if spec.name in cluster.processes else "-"
         lines.append(f"  {spec.name:<12} {spec.kind:<11} {spec.address:<21} pid {pid:<8} {detail}{threads}{metrics}")
     coordinators = cluster.addresses_of("coordinator")

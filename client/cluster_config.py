@@ -12,6 +12,8 @@
         torch_threads: 4   # intra-op threads (OMP_NUM_THREADS); default: this host's cores shared
         cpus: "2-5"        # pin its process to these cores ("0", "0,2", "2-5", a list per replica, or
                            # auto: each model process its own slice of this host's cores); torch_threads follows
+        borrow_cpus: auto  # verify only: cores it may also run on, with a thread each, while none of its
+                           # sessions is in a client round (auto: the cores pinned to this file's draft services)
         restart: on-failure  # when its process exits: on-failure (default) | always | never
         max_restarts: 5    # at most this many restarts in restart_window_s (300); client/supervision.py
         ...                # any option of that kind (python -m target_service --help)
@@ -20,7 +22,9 @@
                            # cascade_stages: every stage service above in file order (or names / addresses),
                            # unless given; model: the verify service's, unless given
 
-`replicas`, `torch_threads`, `cpus` and the restart keys are read by the launcher, every other key is passed as a flag.
+`replicas`, `torch_threads`, `cpus`, `borrow_cpus` and the restart keys are read by the launcher, every other key is
+passed as a flag (`borrow_cpus` as the verify service's `borrow_threads`, one per borrowed core, unless given,
+by the local launcher only: on Ray or Kubernetes each process is placed apart, with nothing to borrow).
 A `defaults` key that a kind lacks (a coordinator has no `device`) is not passed to it; a service's
 own unknown key is an error, named before any process starts.
 """
@@ -43,7 +47,9 @@ OPTION_CLASSES = {"draft": "draft_service.options:DraftOptions", "verify": "targ
                   "stage": "stage_service.options:StageOptions", "coordinator": "coordinator.options:CoordinatorOptions",
                   "gateway": "gateway.options:GatewayOptions"}
 FRONT_KINDS = ("coordinator", "gateway")  # no model of their own: one thread each, the model services get the cores
-LAUNCHER_KEYS = ("replicas", "torch_threads", "cpus", "restart", "max_restarts", "restart_window_s")  # read here, never passed on
+LAUNCHER_KEYS = ("replicas", "torch_threads", "cpus", "borrow_cpus", "restart", "max_restarts",
+                 "restart_window_s")  # read here, never passed on
+BORROWING_KINDS = ("verify",)  # kinds that may borrow cores (target_service: --borrow-threads)
 AUTO_CPUS = "auto"  # cpus: auto, each model process its own slice of the host's cores
 RESTART_KEYS = {"restart": "mode", "max_restarts": "max_restarts", "restart_window_s": "window_s"}  # -> RestartPolicy
 PLACEMENT_KEYS = ("ray", "k8s")  # a service's placement on Ray / Kubernetes: read by `specmesh ray|k8s`, not here
@@ -59,6 +65,18 @@ class ServiceSpec:
     group: str = ""  # the config entry it comes from (replicas share it)
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # what the launcher does when its process exits
     cpus: tuple[int, ...] = ()  # cores its process is pinned to; () = not pinned
+    borrow_cpus: tuple[int, ...] = ()  # cores it may also run on while lent (`borrow_cpus`); not in `cpus`
+
+    @property
+    def launch_options(self) -> dict:
+        """Flags this launcher adds when it starts the process on this host (under `options`, which win):
+        a thread per borrowed core. Not for platforms that place each process apart (Ray, Kubernetes)."""
+        return {"borrow_threads": len(self.borrow_cpus)} if self.borrow_cpus else {}
+
+    @property
+    def affinity(self) -> tuple[int, ...]:
+        """The cores its process is pinned to: its own and the borrowed ones; () = not pinned."""
+        return tuple(sorted({*self.cpus, *self.borrow_cpus})) if self.cpus else ()
 
     @property
     def address(self) -> str:
@@ -151,7 +169,7 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
     default_threads = defaults.pop("torch_threads", 0)
     default_cpus = defaults.pop("cpus", None)
     default_restart = {key: defaults.pop(key) for key in RESTART_KEYS if key in defaults}
-    entries = []
+    entries, borrows = [], {}
     for name, entry in services.items():
         entry = {k: v for k, v in (entry or {}).items() if k not in PLACEMENT_KEYS}
         kind = entry.pop("kind", name)
@@ -161,6 +179,10 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
         cpus = entry.get("cpus", default_cpus if kind not in FRONT_KINDS else None)
         replicas = _replicas(path, name, entry)  # checks a list of cpus too, one per replica
         entry.pop("cpus", None)
+        borrow = entry.pop("borrow_cpus", None)
+        if borrow not in (None, "") and kind not in BORROWING_KINDS:
+            raise ValueError(f"{path}: service {name!r} ({kind}): borrow_cpus is for {', '.join(BORROWING_KINDS)} services")
+        borrows[name] = borrow
         entries.append((name, kind, entry, replicas, entry.pop("torch_threads", default_threads), restart, cpus))
     num_model_processes = sum(replicas for _, kind, _, replicas, _, _, _ in entries if kind not in FRONT_KINDS)
     available = list(range(cores)) if cores else host_cpus()
@@ -180,8 +202,31 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
                                           else default_torch_threads(num_model_processes, cores))
             specs.append(ServiceSpec(replica_name, kind, _replica_options(options, index), int(replica_threads), group=name,
                                      restart=restart, cpus=pinned))
+    _lend_cores(path, specs, borrows, available)
     _inherit_target_model(specs, services)
     return specs
+
+
+def _lend_cores(path, specs: list[ServiceSpec], borrows: dict, available: list[int]) -> None:
+    """Each `borrow_cpus` as the replica's borrowed cores (auto: those pinned to the draft services), less
+    its own; the launcher passes them on as `borrow_threads` (`ServiceSpec.launch_options`)."""
+    drafts = sorted({core for spec in specs if spec.kind == "draft" for core in spec.cpus})
+    for index_in_group, spec in _replica_indices(specs):
+        value = borrows.get(spec.group)
+        if isinstance(value, list):
+            value = value[index_in_group]
+        if value is None or value == "":
+            continue
+        cores = drafts if value == AUTO_CPUS else _pinned(path, spec.group, value, iter(()), available)
+        spec.borrow_cpus = tuple(core for core in cores if core not in spec.cpus)
+
+
+def _replica_indices(specs: list[ServiceSpec]):
+    """(index of the replica within its config entry, spec) for each spec."""
+    seen: dict[str, int] = {}
+    for spec in specs:
+        seen[spec.group] = seen.get(spec.group, -1) + 1
+        yield seen[spec.group], spec
 
 
 def _pinned(path, name: str, cpus, auto_slices, available: list[int]) -> tuple[int, ...]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -57,8 +58,14 @@ async def run_aside(fn, *args, **kwargs):
 
 
 class EngineThread:
+    """`threads_for_job` (optional): asked on the engine thread before each job, the OpenMP threads
+    that job's torch ops get (e.g. more while cores lent by another process are idle); the count
+    changes only when the answer does. Without it, every job gets `num_threads`."""
+
     def __init__(self, name: str = "engine", num_threads: int | None = None):
         self.num_threads = num_threads or torch.get_num_threads()
+        self.threads_for_job: Callable[[], int] | None = None
+        self.threads_now = self.num_threads  # the engine thread's count (set by its initializer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                             initializer=threads_here, initargs=(self.num_threads,))
 
@@ -66,7 +73,15 @@ class EngineThread:
         """Run fn(*args, **kwargs) on the engine thread. If the caller is cancelled the call still
         completes on the thread (engine state stays consistent); its result is dropped."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self._executor, functools.partial(self._job, fn, args, kwargs))
+
+    def _job(self, fn, args, kwargs):
+        if self.threads_for_job is not None:
+            wanted = self.threads_for_job()
+            if wanted != self.threads_now:
+                torch.set_num_threads(wanted)
+                self.threads_now = wanted
+        return fn(*args, **kwargs)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)

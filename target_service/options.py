@@ -26,3 +26,6 @@ class VerifyOptions(ServerOptions, ModelOptions, QuotaOptions):
     skeleton_max_title_bytes: int = 200
     skeleton_max_direct_bytes: int = 1000
     skeleton_grammars: int = 8  # compiled plan formats kept
+    borrow_threads: int = 0  # extra intra-op threads while every open session is in a Run or Generate stream
+    # (no client round in flight, so a Draft service sharing this host has nothing to draft); the launcher's
+    # `borrow_cpus` sets it and adds those cores to the process's affinity

@@ -59,6 +59,9 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         metrics.watch_engine(lambda: engine.stats)
         self.fused_drafter = fused_drafter
         self._generating = 0  # Generate streams in progress: callers of the batcher without a session id
+        self._running = 0  # sessions inside a Run stream (their rounds stepped here, no client drafting for them)
+        if options.borrow_threads > 0:
+            self.engine_thread.threads_for_job = self._threads_for_job
         self.num_solo_rounds = 0  # rounds of a lone stream run back to back (_back_to_back)
         self.solo_rounds = _spare_core(engine, self.engine_thread)  # (measured: on a 2-core CPU with a 2-thread engine
         # the event loop's writes then stall the engine's OpenMP team: 0.90x against 0.92x per round at a time)
@@ -357,8 +360,19 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                     yield response
 
             # the next round is submitted before this one is written to the caller
-            async for response in read_ahead(rounds(), RUN_AHEAD_ROUNDS):
-                yield response
+            self._running += 1
+            try:
+                async for response in read_ahead(rounds(), RUN_AHEAD_ROUNDS):
+                    yield response
+            finally:
+                self._running -= 1
+
+    def _threads_for_job(self) -> int:
+        """Engine thread, before each job: this process's own threads, and the borrowed ones
+        (`borrow_threads`) while every open session is in a Run (a Generate stream has no session):
+        none is in a client round then, whose drafts a Draft service on the lent cores may be making."""
+        own = self.engine_thread.num_threads
+        return own + self.options.borrow_threads if self._running >= self.num_sessions else own
 
     def _check_fused_k(self, k: int) -> None:
         if self.fused_drafter is None:

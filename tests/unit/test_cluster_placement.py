@@ -44,3 +44,26 @@ def test_bad_core_lists_are_named(tmp_path, cpus, message):
         specs_of(tmp_path, {"verify": {"kind": "verify", "cpus": cpus}}, cores=4)
     with pytest.raises(ValueError, match="cpus lists 1 values for 2 replica"):
         specs_of(tmp_path, {"verify": {"kind": "verify", "replicas": 2, "cpus": ["0"]}}, cores=4)
+
+
+def test_a_verify_service_borrows_the_draft_services_cores(tmp_path):
+    """`borrow_cpus: auto`: the cores pinned to the draft services join the verify process's affinity
+    (not its own cores, nor its torch threads) and become its `borrow_threads` when the local launcher
+    starts it, unless that is given."""
+    services = {"draft": {"kind": "draft"}, "verify": {"kind": "verify", "borrow_cpus": "auto"},
+                "coordinator": {"kind": "coordinator"}}
+    specs = specs_of(tmp_path, services, {"cpus": "auto"})
+    verify = specs["verify"]
+    assert (verify.cpus, verify.borrow_cpus, verify.affinity, verify.torch_threads) == ((1,), (0,), (0, 1), 1)
+    assert verify.launch_options == {"borrow_threads": 1} and "borrow_cpus" not in verify.options
+    assert specs["draft"].affinity == (0,) and specs["draft"].borrow_cpus == ()
+    specs = specs_of(tmp_path, {"draft": {"kind": "draft", "cpus": "0-1"},
+                                "verify": {"kind": "verify", "cpus": "1-3", "borrow_cpus": "0,1", "borrow_threads": 2}},
+                     cores=4)
+    assert specs["verify"].borrow_cpus == (0,) and specs["verify"].options["borrow_threads"] == 2  # given: it wins
+    specs = specs_of(tmp_path, services, {"cpus": "auto"}, cores=1)  # nothing pinned: nothing to borrow
+    assert specs["verify"].borrow_cpus == () and specs["verify"].launch_options == {}
+    with pytest.raises(ValueError, match="borrow_cpus is for verify services"):
+        specs_of(tmp_path, {"draft": {"kind": "draft", "borrow_cpus": "auto"}})
+    with pytest.raises(ValueError, match=r"core\(s\) \[7\] this host does not offer"):
+        specs_of(tmp_path, {"verify": {"kind": "verify", "borrow_cpus": "7"}})

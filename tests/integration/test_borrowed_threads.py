@@ -1,0 +1,84 @@
+"""A Verify service that borrows cores (`borrow_threads`, the launcher's `borrow_cpus`): its forwards get
+the borrowed threads while every open session is in a Run, and only its own while any session is between
+client rounds (its drafts may be being made on the lent cores). In-process service, port 0, loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from servicekit.background import BackgroundServices
+from servicekit.channels import open_channel as channel
+from specmesh.proto.v1 import common_pb2, verify_pb2, verify_pb2_grpc
+from target_service.options import VerifyOptions
+from target_service.server import create_server as create_verify
+
+PROMPT = [5, 17, 33, 5, 17, 40]
+GREEDY = common_pb2.SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=64)
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_dir):
+    options = VerifyOptions(model=str(tiny_model_dir("llama")), dtype="float32", port=0, fused_drafter="", borrow_threads=1)
+    with BackgroundServices() as background:
+        handle = background.start(create_verify(options))
+        yield handle, f"127.0.0.1:{handle.port}"
+
+
+def test_forwards_borrow_threads_only_while_every_session_is_in_a_run(service):
+    handle, address = service
+    servicer = handle.servicer
+    own = servicer.engine_thread.num_threads
+    seen: list[int] = []
+    verify_many = servicer.verifier.verify_many
+
+    def recording(*args, **kwargs):  # engine thread: the threads its forward runs with
+        seen.append(torch.get_num_threads())
+        return verify_many(*args, **kwargs)
+
+    servicer.verifier.verify_many = recording
+
+    async def main() -> dict[str, list[int]]:
+        threads = {}
+        async with channel(address) as ch:
+            stub = verify_pb2_grpc.VerifyServiceStub(ch)
+            a = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=PROMPT, sampling=GREEDY),
+                                       timeout=TIMEOUT_S)
+            seen.clear()
+            await stub.Verify(verify_pb2.VerifyRequest(session_id=a.session_id, draft_token_ids=[3, 4]), timeout=TIMEOUT_S)
+            threads["client round"] = list(seen)
+            seen.clear()
+            async for _ in stub.Run(verify_pb2.RunRequest(session_id=a.session_id, max_rounds=3), timeout=TIMEOUT_S):
+                pass
+            threads["the only session, in a Run"] = list(seen)
+            b = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=PROMPT, sampling=GREEDY),
+                                       timeout=TIMEOUT_S)
+            seen.clear()
+            async for _ in stub.Run(verify_pb2.RunRequest(session_id=a.session_id, max_rounds=3), timeout=TIMEOUT_S):
+                pass
+            threads["a Run while another session is between calls"] = list(seen)
+            seen.clear()
+            await asyncio.gather(*(_drain(stub.Run(verify_pb2.RunRequest(session_id=s, max_rounds=3), timeout=TIMEOUT_S))
+                                   for s in (a.session_id, b.session_id)))
+            threads["both sessions in Runs"] = list(seen)
+            for s in (a.session_id, b.session_id):
+                await stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=s), timeout=TIMEOUT_S)
+        return threads
+
+    try:
+        threads = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+    finally:
+        servicer.verifier.verify_many = verify_many
+    assert threads["client round"] == [own]
+    assert threads["the only session, in a Run"] == [own + 1] * 3
+    assert threads["a Run while another session is between calls"] == [own] * 3
+    # (a forward may come before the second Run starts, or after the first ends)
+    assert own + 1 in threads["both sessions in Runs"]
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
