@@ -203,12 +203,16 @@ class Cluster:
             for spec in self.specs:
                 self._launch(spec)
             for spec in self.specs:
-                if spec.kind == "gateway":  # HTTP: its /health answers 200 once its coordinator serves
-                    from gateway.health import wait_healthy
+                try:
+                    if spec.kind == "gateway":  # HTTP: its /health answers 200 once its coordinator serves
+                        from gateway.health import wait_healthy
 
-                    wait_healthy(spec.address, deadline_s, self.processes[spec.name], tls_ca=spec.options.get("tls_cert", ""))
-                else:
-                    wait_serving(spec.address, deadline_s, self.processes[spec.name], spec.options.get("tls_cert", ""))
+                        wait_healthy(spec.address, deadline_s, self.processes[spec.name], tls_ca=spec.options.get("tls_cert", ""))
+                    else:
+                        wait_serving(spec.address, deadline_s, self.processes[spec.name], spec.options.get("tls_cert", ""))
+                except RuntimeError as exc:  # it exited: say which, and how its log ends
+                    raise RuntimeError(f"{spec.name}: {exc}; the end of its log ({self.log_dir / spec.name}.log):\n"
+                                       f"{self.log_tail(spec.name)}") from None
             for spec in self.specs:
                 if spec.kind == "coordinator":
                     wait_replicas_healthy(spec.address, deadline_s, self.processes[spec.name], spec.options.get("tls_cert", ""))

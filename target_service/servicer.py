@@ -63,8 +63,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         if options.borrow_threads > 0:
             self.engine_thread.threads_for_job = self._threads_for_job
         self.num_solo_rounds = 0  # rounds of a lone stream run back to back (_back_to_back)
-        self.solo_rounds = _spare_core(engine, self.engine_thread)  # (measured: on a 2-core CPU with a 2-thread engine
-        # the event loop's writes then stall the engine's OpenMP team: 0.90x against 0.92x per round at a time)
+        self.solo_rounds = _spare_core(engine, self.engine_thread, options.borrow_threads)  # (measured: on a 2-core CPU
+        # with a 2-thread engine the event loop's writes then stall the engine's OpenMP team: 0.90x against 0.92x per round)
         self.batcher = VerifyBatcher(self.engine_thread, self.verifier, options.batch_window_ms, options.max_batch_tokens, metrics,
                                      expected_callers=lambda: self.num_sessions + self._generating)
         self.grammars = SkeletonGrammars(model_folder, engine.vocab_size, engine.eos_token_ids, options.skeleton_grammars)
@@ -620,10 +620,11 @@ def _join_generate_responses(responses: list[verify_pb2.VerifyGenerateResponse])
     return joined
 
 
-def _spare_core(engine, engine_thread: EngineThread) -> bool:
+def _spare_core(engine, engine_thread: EngineThread, borrow_threads: int = 0) -> bool:
     """Whether the event loop has a core the engine's forwards do not use while they run: on a GPU the
-    host thread waits on the device; on a CPU, when the engine thread's OpenMP team is smaller than the
-    cores this process may use."""
+    host thread waits on the device; on a CPU, when the engine thread's OpenMP team, borrowed threads
+    included (they are borrowed in Runs, where solo rounds run), is smaller than the cores this process
+    may use."""
     if engine.device.type != "cpu":
         return True
-    return engine_thread.num_threads < len(os.sched_getaffinity(0))
+    return engine_thread.num_threads + borrow_threads < len(os.sched_getaffinity(0))
