@@ -169,7 +169,7 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
     default_threads = defaults.pop("torch_threads", 0)
     default_cpus = defaults.pop("cpus", None)
     default_restart = {key: defaults.pop(key) for key in RESTART_KEYS if key in defaults}
-    entries, borrows = [], {}
+    entries = []
     for name, entry in services.items():
         entry = {k: v for k, v in (entry or {}).items() if k not in PLACEMENT_KEYS}
         kind = entry.pop("kind", name)
@@ -182,14 +182,13 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
         borrow = entry.pop("borrow_cpus", None)
         if borrow not in (None, "") and kind not in BORROWING_KINDS:
             raise ValueError(f"{path}: service {name!r} ({kind}): borrow_cpus is for {', '.join(BORROWING_KINDS)} services")
-        borrows[name] = borrow
-        entries.append((name, kind, entry, replicas, entry.pop("torch_threads", default_threads), restart, cpus))
-    num_model_processes = sum(replicas for _, kind, _, replicas, _, _, _ in entries if kind not in FRONT_KINDS)
+        entries.append((name, kind, entry, replicas, entry.pop("torch_threads", default_threads), restart, cpus, borrow))
+    num_model_processes = sum(replicas for _, kind, _, replicas, _, _, _, _ in entries if kind not in FRONT_KINDS)
     available = list(range(cores)) if cores else host_cpus()
-    num_auto = sum(replicas for _, _, _, replicas, _, _, cpus in entries if cpus == AUTO_CPUS)
+    num_auto = sum(replicas for _, _, _, replicas, _, _, cpus, _ in entries if cpus == AUTO_CPUS)
     auto_slices = iter(auto_cpus(num_auto, available))
-    specs = []
-    for name, kind, entry, replicas, threads, restart, cpus in entries:
+    specs, borrowing = [], []
+    for name, kind, entry, replicas, threads, restart, cpus, borrow in entries:
         known = option_names(kind)
         unknown = sorted(set(entry) - known)
         if unknown:
@@ -202,31 +201,20 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
                                           else default_torch_threads(num_model_processes, cores))
             specs.append(ServiceSpec(replica_name, kind, _replica_options(options, index), int(replica_threads), group=name,
                                      restart=restart, cpus=pinned))
-    _lend_cores(path, specs, borrows, available)
+            if borrow not in (None, ""):
+                borrowing.append((specs[-1], borrow[index] if isinstance(borrow, list) else borrow))
+    _lend_cores(path, specs, borrowing, available)
     _inherit_target_model(specs, services)
     return specs
 
 
-def _lend_cores(path, specs: list[ServiceSpec], borrows: dict, available: list[int]) -> None:
-    """Each `borrow_cpus` as the replica's borrowed cores (auto: those pinned to the draft services), less
-    its own; the launcher passes them on as `borrow_threads` (`ServiceSpec.launch_options`)."""
+def _lend_cores(path, specs: list[ServiceSpec], borrowing: list[tuple[ServiceSpec, str]], available: list[int]) -> None:
+    """Each replica's `borrow_cpus` as its borrowed cores (auto: those pinned to the draft services, known once
+    every spec is), less its own; the launcher passes them on as `borrow_threads` (`ServiceSpec.launch_options`)."""
     drafts = sorted({core for spec in specs if spec.kind == "draft" for core in spec.cpus})
-    for index_in_group, spec in _replica_indices(specs):
-        value = borrows.get(spec.group)
-        if isinstance(value, list):
-            value = value[index_in_group]
-        if value is None or value == "":
-            continue
+    for spec, value in borrowing:
         cores = drafts if value == AUTO_CPUS else _pinned(path, spec.group, value, iter(()), available)
         spec.borrow_cpus = tuple(core for core in cores if core not in spec.cpus)
-
-
-def _replica_indices(specs: list[ServiceSpec]):
-    """(index of the replica within its config entry, spec) for each spec."""
-    seen: dict[str, int] = {}
-    for spec in specs:
-        seen[spec.group] = seen.get(spec.group, -1) + 1
-        yield seen[spec.group], spec
 
 
 def _pinned(path, name: str, cpus, auto_slices, available: list[int]) -> tuple[int, ...]:

@@ -144,7 +144,6 @@ def _through_the_gateway(address: str, run: Run) -> None:
 
 
 def _cluster_section(runs: list[Run]) -> None:
-
     from client.cluster import Cluster, load_cluster_config
 
     specs = load_cluster_config("configs/local.yaml")  # its placement as shipped: on a 2-core host the Draft service on

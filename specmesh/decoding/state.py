@@ -214,12 +214,10 @@ class SpeculationState:
             return 1
         policy_rounds = self.k_policy.plain_rounds_ahead()
         until = PLAIN_RUN_MAX if policy_rounds is None else policy_rounds
-        fruitless = self._fruitless_rounds
-        if self._stretch_left:  # a stretch deferred by the round before's draft: this round is its first
-            rounds = self._stretch_left
-        else:  # this round, and the stretch recording it starts
-            rounds, fruitless = 1 + min(PLAIN_STRETCH_MAX, 2**fruitless), fruitless + 1
-        while rounds < until:  # a round after a stretch at which the policy stays at 0, and its stretch
+        # a stretch deferred by the round before's draft (this round is its first), else none yet; then a round
+        # after a stretch (this one first) and the stretch recording it starts, while the policy stays at 0
+        rounds, fruitless = self._stretch_left, self._fruitless_rounds
+        while not rounds or rounds < until:
             rounds, fruitless = rounds + 1 + min(PLAIN_STRETCH_MAX, 2**fruitless), fruitless + 1
         return rounds
 

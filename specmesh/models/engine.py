@@ -88,12 +88,14 @@ class EngineStats:
     prefill_ms_per_token: float | None = None
 
     def record_step(self, ms: float, weight: float = 0.2) -> None:
-        self.step_ms = ms if self.step_ms is None else (1 - weight) * self.step_ms + weight * ms
+        self.step_ms = _moving_average(self.step_ms, ms, weight)
 
     def record_prefill(self, ms: float, tokens: int, weight: float = 0.2) -> None:
-        per_token = ms / tokens
-        old = self.prefill_ms_per_token
-        self.prefill_ms_per_token = per_token if old is None else (1 - weight) * old + weight * per_token
+        self.prefill_ms_per_token = _moving_average(self.prefill_ms_per_token, ms / tokens, weight)
+
+
+def _moving_average(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 PREFILL_STAT_TOKENS = 8  # one-sequence forwards of this many tokens or more count as prefill (`EngineStats`)
