@@ -11,7 +11,7 @@ could save (`could_pay`), which no acceptance can make up for, or the probe's ca
 perfect drafts could win back before the request ends (`probe_pays`): a model drafter first takes in
 every token it has not seen (the plain rounds' tokens; the prompt, if it never drafted). Before the first round, the costs this
 process has measured of its engines (`prior_costs`) choose the first k, so a drafter that cannot pay on
-this hardware (a bf16 self-draft on a CPU without bf16 kernels, say) is never run.
+this hardware (a bf16 self-draft through the torch path on a CPU, say) is never run.
 
 Estimates are exponential moving averages. The acceptance estimate treats a round as a run of
 Bernoulli trials: n accepted of k drafted is n successes and (n < k) one failure, each trial one step

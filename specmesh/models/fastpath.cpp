@@ -1,4 +1,4 @@
-// The whole float32 forward of a Llama-family model over a few rows (decode steps, verify chains and
+// The whole forward of a float32 or bfloat16 Llama-family model over a few rows (decode steps, verify chains and
 // trees, a batch of sessions' rounds) in ONE call: no Python and no ATen dispatch per layer. Torch's
 // eager forward issues ~30 operators per layer (~900 per decode step of a 30-layer model), each a few
 // microseconds of Python and dispatch, and its matmul for one row is oneDNN's; here a step is the
@@ -35,6 +35,9 @@
 #include <vector>
 
 #include <omp.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include <sched.h>
 
 namespace {
@@ -50,6 +53,49 @@ inline f32x8 load8(const float *p) {
 }
 
 inline void store8(float *p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// bfloat16 storage (a bfloat16 model's weights, embedding and KV cache): a float's upper 16 bits. Read, it
+// widens to float exactly (the bits shifted up); the arithmetic is float32's either way, so a bfloat16
+// model here computes with bfloat16 weights and keys but float32 activations.
+typedef uint16_t bf16;
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline f32x8 load8(const bf16 *p) {
+#ifdef __AVX2__  // one widening load and a shift (the generic form below compiles to ~3x the instructions)
+    const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    u16x8 half;
+    std::memcpy(&half, p, sizeof(half));
+    const u32x8 bits = __builtin_convertvector(half, u32x8) << 16;
+#endif
+    f32x8 v;
+    std::memcpy(&v, &bits, sizeof(v));
+    return v;
+}
+
+inline float widen(float x) { return x; }
+
+inline float widen(bf16 x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+// float -> bfloat16 as torch rounds it: to nearest, ties to even; a NaN stays a (quiet) NaN
+inline bf16 narrow(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40);
+    return (bf16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline void store_row(float *dst, const float *src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void store_row(bf16 *dst, const float *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = narrow(src[i]);
+}
 
 // x in every lane. (Not `f32x8{} + x`: adding the zero vector cannot be folded away, since -0 + +0 is +0,
 // so that form costs a scalar add and a register broadcast per use where this is one broadcast load.)
@@ -72,8 +118,8 @@ inline float tree_sum(f32x8 v) {
 // most 12 of the 16 vector registers) keep the FMA units busy: 6 x 1 for many rows, 1 x 4 for one.
 constexpr int64_t PANEL = 16;
 
-template <int R, int P>
-inline void tile(const float *X, int64_t K, const float *wp, const float *bias, int64_t j, int64_t j1, float *Y,
+template <int R, int P, typename W>
+inline void tile(const float *X, int64_t K, const W *wp, const float *bias, int64_t j, int64_t j1, float *Y,
                  int64_t ldy, bool accumulate) {
     f32x8 acc[R][P][2] = {};
     for (int64_t k = 0; k < K; k++) {
@@ -108,7 +154,8 @@ inline void tile(const float *X, int64_t K, const float *wp, const float *bias, 
 }
 
 // R rows (1..6) against one panel at a time.
-inline void rows_by_panel(int64_t R, const float *X, int64_t K, const float *wp, const float *bias, int64_t j,
+template <typename W>
+inline void rows_by_panel(int64_t R, const float *X, int64_t K, const W *wp, const float *bias, int64_t j,
                           int64_t j1, float *Y, int64_t ldy, bool accumulate) {
     switch (R) {
         case 6: tile<6, 1>(X, K, wp, bias, j, j1, Y, ldy, accumulate); break;
@@ -120,18 +167,19 @@ inline void rows_by_panel(int64_t R, const float *X, int64_t K, const float *wp,
     }
 }
 
-void gemv(const float *X, int64_t M, int64_t K, const float *Wp, const float *bias, int64_t j0, int64_t j1,
+template <typename W>
+void gemv(const float *X, int64_t M, int64_t K, const W *Wp, const float *bias, int64_t j0, int64_t j1,
           float *Y, int64_t ldy, bool accumulate) {
     if (M <= 0) return;  // (a prefill that asks for no logits)
     int64_t j = j0;
-    const int64_t panel_floats = K * PANEL;
+    const int64_t panel_values = K * PANEL;
     if (M <= 2) {  // few rows: several panels at once, so enough accumulators are in flight
         for (; j + 4 * PANEL <= j1; j += 4 * PANEL) {
-            const float *wp = Wp + (j / PANEL) * panel_floats;
-            __builtin_prefetch(wp + 4 * panel_floats);
+            const W *wp = Wp + (j / PANEL) * panel_values;
+            __builtin_prefetch(wp + 4 * panel_values);
             if (M == 2) {
                 tile<2, 2>(X, K, wp, bias, j, j1, Y, ldy, accumulate);
-                tile<2, 2>(X, K, wp + 2 * panel_floats, bias, j + 2 * PANEL, j1, Y, ldy, accumulate);
+                tile<2, 2>(X, K, wp + 2 * panel_values, bias, j + 2 * PANEL, j1, Y, ldy, accumulate);
             } else {
                 tile<1, 4>(X, K, wp, bias, j, j1, Y, ldy, accumulate);
             }
@@ -141,7 +189,7 @@ void gemv(const float *X, int64_t M, int64_t K, const float *Wp, const float *bi
     // idle part of the time; 5 rows run about as fast per row as 6): 16 rows are 6, 5, 5
     const int64_t last = M % 6 == 4 && M > 6 ? M - 10 : M;  // rows before the two 5-row tiles
     for (; j < j1; j += PANEL) {
-        const float *wp = Wp + (j / PANEL) * panel_floats;
+        const W *wp = Wp + (j / PANEL) * panel_values;
         int64_t m = 0;
         for (; m + 6 <= last; m += 6) rows_by_panel(6, X + m * K, K, wp, bias, j, j1, Y + m * ldy, ldy, accumulate);
         for (; m + 5 <= M && last < M; m += 5) rows_by_panel(5, X + m * K, K, wp, bias, j, j1, Y + m * ldy, ldy, accumulate);
@@ -151,13 +199,13 @@ void gemv(const float *X, int64_t M, int64_t K, const float *Wp, const float *bi
 
 // o[0, 8C) = sum over j < count, in j's order, of p[j] * v[slots[j] * stride + (0, 8C)], then / total: C vectors
 // of a value row at a time, so each row is read once for all of them (C = 8: 64 values, in registers).
-template <int C>
-inline void weighted_values(const float *p, const int64_t *slots, int64_t count, const float *v, int64_t stride,
+template <int C, typename V>
+inline void weighted_values(const float *p, const int64_t *slots, int64_t count, const V *v, int64_t stride,
                             float total, float *o) {
     f32x8 acc[C] = {};
     for (int64_t j = 0; j < count; j++) {
         const f32x8 pj = splat(p[j]);
-        const float *row = v + slots[j] * stride;
+        const V *row = v + slots[j] * stride;
         for (int c = 0; c < C; c++) acc[c] += pj * load8(row + 8 * c);
     }
     for (int c = 0; c < C; c++) store8(o + 8 * c, acc[c] / splat(total));
@@ -249,14 +297,15 @@ inline Range split(int64_t n, int64_t parts, int64_t part, int64_t align) {
 
 }  // namespace
 
-extern "C" int64_t fastpath_layer_fields() { return LAYER_FIELDS; }
-
-extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, float *k_cache, float *v_cache,
-                                 const int64_t *meta, float *logits, int num_threads) {
+// W: the storage of the matrices, the embedding and the KV cache (float, or bf16 for a bfloat16 model);
+// norms, biases and the rope tables are float either way.
+template <typename W>
+void forward(const int64_t *model, float eps, float scale, W *k_cache, W *v_cache, const int64_t *meta, float *logits,
+             int num_threads) {
     const int64_t L = model[0], hidden = model[1], H = model[2], KVH = model[3], D = model[4], inter = model[5],
                   vocab = model[6];
-    const float *embed = (const float *)model[7], *final_norm = (const float *)model[8],
-                *lm_head = (const float *)model[9], *cos_table = (const float *)model[10],
+    const W *embed = (const W *)model[7], *lm_head = (const W *)model[9];
+    const float *final_norm = (const float *)model[8], *cos_table = (const float *)model[10],
                 *sin_table = (const float *)model[11];
     const int64_t n = meta[0], num_seqs = meta[1], max_blocks = meta[2], block_size = meta[3], num_logits = meta[4],
                   tree_width = meta[5], cache_slots = meta[6];
@@ -270,7 +319,8 @@ extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, f
     for (int64_t r = 0; r < n; r++) max_keys = std::max(max_keys, row_end[r]);
 
     std::vector<float> x(n * hidden), qkv(n * qkv_dim), att(n * H * D), gu(n * 2 * inter), act(n * inter);
-    for (int64_t r = 0; r < n; r++) std::memcpy(&x[r * hidden], embed + token_ids[r] * hidden, hidden * sizeof(float));
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < hidden; i++) x[r * hidden + i] = widen(embed[token_ids[r] * hidden + i]);
 
     Barrier barrier;
 #pragma omp parallel num_threads(num_threads)
@@ -282,12 +332,12 @@ extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, f
         std::vector<int64_t> slots(max_keys);
         for (int64_t l = 0; l < L; l++) {
             const int64_t *p = model + HEADER + l * LAYER_FIELDS;
-            const float *input_norm = (const float *)p[0], *qkv_w = (const float *)p[1], *qkv_b = (const float *)p[2],
-                        *qk_norm = (const float *)p[3], *o_w = (const float *)p[4], *o_b = (const float *)p[5],
-                        *post_norm = (const float *)p[6], *gu_w = (const float *)p[7], *gu_b = (const float *)p[8],
-                        *down_w = (const float *)p[9], *down_b = (const float *)p[10];
+            const float *input_norm = (const float *)p[0], *qkv_b = (const float *)p[2], *qk_norm = (const float *)p[3],
+                        *o_b = (const float *)p[5], *post_norm = (const float *)p[6], *gu_b = (const float *)p[8],
+                        *down_b = (const float *)p[10];
+            const W *qkv_w = (const W *)p[1], *o_w = (const W *)p[4], *gu_w = (const W *)p[7], *down_w = (const W *)p[9];
             const int64_t window = p[11];
-            float *layer_k = k_cache + l * layer_stride, *layer_v = v_cache + l * layer_stride;
+            W *layer_k = k_cache + l * layer_stride, *layer_v = v_cache + l * layer_stride;
 
             // q/k/v of every row (each thread norms every row itself: cheaper than a barrier)
             for (int64_t r = 0; r < n; r++) rms_norm(&x[r * hidden], input_norm, hidden, eps, &h[r * hidden]);
@@ -304,9 +354,8 @@ extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, f
                 rope(v, cos_table + positions[r] * D, sin_table + positions[r] * D, D);
                 if (head >= H) {
                     const int64_t g = head - H;
-                    std::memcpy(layer_k + (new_slots[r] * KVH + g) * D, v, D * sizeof(float));
-                    std::memcpy(layer_v + (new_slots[r] * KVH + g) * D, &qkv[r * qkv_dim + (H + KVH + g) * D],
-                                D * sizeof(float));
+                    store_row(layer_k + (new_slots[r] * KVH + g) * D, v, D);
+                    store_row(layer_v + (new_slots[r] * KVH + g) * D, &qkv[r * qkv_dim + (H + KVH + g) * D], D);
                 }
             }
             barrier.wait();
@@ -332,7 +381,7 @@ extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, f
                 // scores of the group's query heads, each key read once for all of them; per (head, key) the
                 // dot product is 8-lane partial sums then a fixed tree, in the same order for every row
                 for (int64_t j = 0; j < count; j++) {
-                    const float *key = layer_k + (slots[j] * KVH + g) * D;
+                    const W *key = layer_k + (slots[j] * KVH + g) * D;
                     for (int64_t hh = 0; hh < group; hh++) {
                         const float *q = &qkv[r * qkv_dim + (g * group + hh) * D];
                         f32x8 acc{};
@@ -352,7 +401,7 @@ extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, f
                     // each output value: its keys' p_j v_j summed in key order; the keys outside, 64 values of a
                     // value row at a time inside, so a row of V is read once per head rather than once per 8
                     float *o = &att[r * H * D + (g * group + hh) * D];
-                    const float *v = layer_v + g * D;
+                    const W *v = layer_v + g * D;
                     int64_t i = 0;
                     for (; i + 64 <= D; i += 64) weighted_values<8>(s, slots.data(), count, v, KVH * D, total, o + i);
                     for (; i < D; i += 8) weighted_values<1>(s, slots.data(), count, v + i, KVH * D, total, o + i);
@@ -382,4 +431,16 @@ extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, f
         const Range part = split(vocab, T, t, PANEL);
         gemv(h.data(), num_logits, hidden, lm_head, nullptr, part.lo, part.hi, logits, vocab, false);
     }
+}
+
+extern "C" int64_t fastpath_layer_fields() { return LAYER_FIELDS; }
+
+extern "C" void fastpath_forward(const int64_t *model, float eps, float scale, float *k_cache, float *v_cache,
+                                 const int64_t *meta, float *logits, int num_threads) {
+    forward<float>(model, eps, scale, k_cache, v_cache, meta, logits, num_threads);
+}
+
+extern "C" void fastpath_forward_bf16(const int64_t *model, float eps, float scale, bf16 *k_cache, bf16 *v_cache,
+                                      const int64_t *meta, float *logits, int num_threads) {
+    forward<bf16>(model, eps, scale, k_cache, v_cache, meta, logits, num_threads);
 }

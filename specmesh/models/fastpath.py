@@ -1,4 +1,4 @@
-"""The float32 CPU fast path: a whole forward of a few rows in one call of fastpath.cpp.
+"""The CPU fast path: a whole forward of a few rows in one call of fastpath.cpp, for float32 and bfloat16 models.
 
 Why: a decode step of the default model (30 layers, 135M parameters) is ~540 MB of weights streamed once;
 at the machine's ~17-25 GB/s that is 22-31 ms. Torch's eager forward adds ~900 operator calls per step (a few
@@ -16,7 +16,13 @@ Each row's numbers do not depend on the other rows or on the thread count (fastp
 verify forward gives bit for bit what one-token steps would: speculative decoding equals plain decoding.
 Float rounding differs from the torch path's in the last bits, as oneDNN's differs from MKL's.
 
-Eligible: float32 on the CPU, plain float weights (no low-bit layers: those keep their batch-invariant
+A bfloat16 model's matrices, embedding and KV cache stay bfloat16 (half the bytes a step streams: the default
+model's step 7 ms against float32's 11 on 2 cores of the AVX-512 VM, 12.8 against 21.5 on one), widened to
+float32 as they are read; its activations are float32, where the torch path rounds each to bfloat16, so its
+logits are closer to the float32 forward of the same weights than the torch path's (tests/engine/
+test_fastpath_rows.py). That is what a bfloat16 self-draft runs.
+
+Eligible: float32 or bfloat16 on the CPU, plain float weights (no low-bit layers: those keep their batch-invariant
 kernels), SiLU MLP, every matrix's outer size a multiple of 4 and inner size a multiple of 8. Built once
 per machine with the system g++ like the low-bit kernels (specmesh/models/lowbit/kernel.py), cached under
 $SPECMESH_HOME/kernels; without a compiler, or with SPECMESH_FASTPATH=0, the torch path serves everything.
@@ -33,10 +39,13 @@ from pathlib import Path
 
 import torch
 
+from specmesh.models.rope import rope_tables
+
 SOURCE = Path(__file__).with_name("fastpath.cpp")
 ENV_FASTPATH = "SPECMESH_FASTPATH"  # "0": the torch path only
 MAX_ROWS = 32  # forwards of at most this many new tokens always take the fast path (decode, verify, batches)
 MAX_MEAN_KEYS = 64  # longer ones when their rows see at most this many keys on average (`serves`)
+STORAGE = (torch.float32, torch.bfloat16)  # model dtypes it serves: fastpath.cpp's `forward<float>`, `forward<bf16>`
 PANEL = 16  # outputs per packed weight panel (fastpath.cpp's PANEL)
 LAYER_FIELDS = 12  # fastpath.cpp's LAYER_FIELDS
 HEADER = ("n", "num_seqs", "max_blocks", "block_size", "num_logits", "tree_width", "cache_slots")
@@ -62,8 +71,9 @@ def library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as exc:
         warnings.warn(f"float32 fast path unavailable, using the torch forward: {exc}", RuntimeWarning, stacklevel=2)
         return None
-    lib.fastpath_forward.argtypes = [_P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _P, _INT]
-    lib.fastpath_forward.restype = None
+    for entry in (lib.fastpath_forward, lib.fastpath_forward_bf16):
+        entry.argtypes = [_P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _P, _INT]
+        entry.restype = None
     lib.fastpath_layer_fields.restype = _I64
     assert lib.fastpath_layer_fields() == LAYER_FIELDS
     return lib
@@ -82,7 +92,7 @@ def serves(num_rows: int, attention_pairs: int) -> bool:
 def eligible(config, dtype: torch.dtype, device: torch.device, kernel: str, has_quantized: bool) -> bool:
     """Whether a model of this config, dtype, device and linear kernel can run on the fast path."""
     c = config
-    if not enabled() or dtype != torch.float32 or device.type != "cpu" or has_quantized:
+    if not enabled() or dtype not in STORAGE or device.type != "cpu" or has_quantized:
         return False
     if kernel not in ("plain", "onednn"):  # int8-dynamic drafts keep their own kernel
         return False
@@ -97,11 +107,12 @@ def eligible(config, dtype: torch.dtype, device: torch.device, kernel: str, has_
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
-    """A [out, in] float32 matrix as fastpath.cpp's gemv reads it: panels of PANEL outputs, [panel][in][PANEL],
-    the last panel padded with zero rows. A copy beside the original, which the torch path keeps using."""
+    """A [out, in] matrix as fastpath.cpp's gemv reads it: panels of PANEL outputs, [panel][in][PANEL], the last
+    panel padded with zero rows, in the matrix's dtype. A copy beside the original, which the torch path keeps
+    using."""
     out, inner = weight.shape
     panels = -(-out // PANEL)
-    padded = torch.zeros(panels * PANEL, inner, dtype=torch.float32)
+    padded = torch.zeros(panels * PANEL, inner, dtype=weight.dtype)
     padded[:out] = weight.detach()
     return padded.view(panels, PANEL, inner).transpose(1, 2).contiguous()
 
@@ -117,25 +128,38 @@ class FastForward:
         self.vocab_size = c.vocab_size
         self.eps = float(c.rms_norm_eps)
         self.scale = float(model.scale)
+        self.dtype = model.dtype  # the matrices', the embedding's and the KV cache's
+        self.entry = lib.fastpath_forward if self.dtype == torch.float32 else lib.fastpath_forward_bf16
         self._keep: list[torch.Tensor] = []
+        # the rope tables in float32 whatever the model's dtype: the fast path's activations are float32
+        cos, sin = rope_tables(c.rope_parameters, c.head_dim, c.max_context, torch.float32, model.device)
         fields = [c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                  c.vocab_size, self._ptr(model.embed), self._ptr(model.final_norm),
-                  self._ptr(packed(model.lm_head.weight)), self._ptr(model.cos), self._ptr(model.sin)]
+                  c.vocab_size, self._matrix(model.embed), self._ptr(model.final_norm),
+                  self._matrix(packed(model.lm_head.weight)), self._ptr(cos), self._ptr(sin)]
         inter = c.intermediate_size
         for layer in model.layers:
             gate_up = layer.gate_up.weight
-            fields += [self._ptr(layer.input_norm), self._ptr(packed(layer.qkv.weight)), self._ptr(layer.qkv.bias),
-                       self._ptr(layer.qk_norm), self._ptr(packed(layer.o.weight)), self._ptr(layer.o.bias),
+            fields += [self._ptr(layer.input_norm), self._matrix(packed(layer.qkv.weight)), self._ptr(layer.qkv.bias),
+                       self._ptr(layer.qk_norm), self._matrix(packed(layer.o.weight)), self._ptr(layer.o.bias),
                        self._ptr(layer.post_norm),
-                       self._ptr(torch.cat([packed(gate_up[:inter]), packed(gate_up[inter:])])),
-                       self._ptr(layer.gate_up.bias), self._ptr(packed(layer.down.weight)), self._ptr(layer.down.bias),
+                       self._matrix(torch.cat([packed(gate_up[:inter]), packed(gate_up[inter:])])),
+                       self._ptr(layer.gate_up.bias), self._matrix(packed(layer.down.weight)), self._ptr(layer.down.bias),
                        layer.sliding_window or 0]
         self.table = torch.tensor(fields, dtype=torch.long)
 
     def _ptr(self, tensor: torch.Tensor | None) -> int:
+        """A float32 vector's address (norms, biases, rope tables: a float32 copy of a bfloat16 model's)."""
         if tensor is None:
             return 0
-        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
+        return self._keep_address(tensor.float().contiguous())
+
+    def _matrix(self, tensor: torch.Tensor) -> int:
+        """A matrix's (or the embedding's) address, in the model's dtype."""
+        assert tensor.dtype == self.dtype
+        return self._keep_address(tensor)
+
+    def _keep_address(self, tensor: torch.Tensor) -> int:
+        assert tensor.device.type == "cpu" and tensor.is_contiguous()
         self._keep.append(tensor)
         return tensor.data_ptr()
 
@@ -143,7 +167,7 @@ class FastForward:
         """meta: fastpath.cpp's per-call layout -> float32 logits [num_logits, vocab]."""
         meta_t = torch.tensor(meta, dtype=torch.long)
         logits = torch.empty(num_logits, self.vocab_size, dtype=torch.float32)
-        assert cache.k.is_contiguous() and cache.v.is_contiguous() and cache.k.dtype == torch.float32
-        self.lib.fastpath_forward(self.table.data_ptr(), self.eps, self.scale, cache.k.data_ptr(), cache.v.data_ptr(),
+        assert cache.k.is_contiguous() and cache.v.is_contiguous() and cache.k.dtype == self.dtype
+        self.entry(self.table.data_ptr(), self.eps, self.scale, cache.k.data_ptr(), cache.v.data_ptr(),
                                   meta_t.data_ptr(), logits.data_ptr(), torch.get_num_threads())
         return logits

@@ -1,12 +1,15 @@
-"""The float32 fast path (specmesh/models/fastpath.py): the same numbers as the torch forward up to float
-rounding, on every layout the engine serves; each row's numbers independent of the rest of the call and of
-the thread count, bit for bit; the models it must not serve keep the torch path."""
+"""The CPU fast path (specmesh/models/fastpath.py), float32 and bfloat16: the same numbers as the torch forward
+up to float rounding, on every layout the engine serves; each row's numbers independent of the rest of the call
+and of the thread count, bit for bit; the models it must not serve keep the torch path."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 from engine_helpers import random_ids, with_sliding_window
+from safetensors.torch import load_file, save_file
 
 from specmesh.models import fastpath
 from specmesh.models.engine import SeqInput
@@ -64,11 +67,38 @@ def test_fast_path_matches_the_torch_forward(family, tiny_model_dir, tmp_path):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["smollm2", "qwen3", "mistral-window"])
+def test_bfloat16_fast_path_computes_the_bfloat16_weights_in_float32(family, tiny_model_dir, tmp_path):
+    """bfloat16 weights and KV, float32 activations: close to the float32 forward of the same (bfloat16-rounded)
+    weights, only the keys' and values' rounding between them, and closer to it than the bfloat16 torch path,
+    which rounds every activation too."""
+    if family == "mistral-window":
+        path = with_sliding_window(tiny_model_dir("mistral", init_std=0.2), tmp_path / "window", 6)
+    else:
+        path = tiny_model_dir(family, init_std=0.2)
+    rounded = tmp_path / "rounded"
+    shutil.copytree(path, rounded)
+    weights = load_file(rounded / "model.safetensors")
+    save_file({name: w.to(torch.bfloat16).to(w.dtype) for name, w in weights.items()}, rounded / "model.safetensors")
+    engine = load_engine(rounded, dtype="bfloat16", block_size=4)
+    assert engine.model.fast is not None and engine.cache.k.dtype == torch.bfloat16
+    reference = _scenario(load_engine(rounded, dtype="float32", block_size=4), True)
+    fast, torch_path = _scenario(engine, True), _scenario(engine, False)
+    assert len(fast) == len(torch_path) == len(reference)
+    fast_error = max((got - want).abs().max().item() for got, want in zip(fast, reference))
+    torch_error = max((got.float() - want).abs().max().item() for got, want in zip(torch_path, reference))
+    scale = max(want.abs().max().item() for want in reference)
+    assert all(got.dtype == torch.float32 for got in fast)
+    assert fast_error < 0.02 * scale and fast_error < torch_error, (fast_error, torch_error, scale)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("hidden_size", [64, 256])  # heads of 16 and of 64 values
-def test_each_row_is_bit_identical_to_the_row_alone(tiny_model_dir, hidden_size):
+def test_each_row_is_bit_identical_to_the_row_alone(tiny_model_dir, hidden_size, dtype):
     """A verify chain of k + 1 tokens == k + 1 one-token steps; a sequence in a batch == alone; two threads
     == one thread: the last bit, logits and KV alike (so speculative decoding equals plain decoding)."""
-    engine = load_engine(tiny_model_dir("smollm2", init_std=0.2, hidden_size=hidden_size), dtype="float32", block_size=4)
+    engine = load_engine(tiny_model_dir("smollm2", init_std=0.2, hidden_size=hidden_size), dtype=dtype, block_size=4)
+    assert engine.model.fast is not None
     vocab = engine.vocab_size
     a, b = engine.new_sequence(), engine.new_sequence()
     engine.forward([SeqInput(a, random_ids(vocab, 30, seed=11), []), SeqInput(b, random_ids(vocab, 9, seed=12), [])])
@@ -102,7 +132,6 @@ def test_each_row_is_bit_identical_to_the_row_alone(tiny_model_dir, hidden_size)
 def test_models_the_fast_path_does_not_serve_keep_the_torch_forward(tiny_model_dir, monkeypatch):
     path = tiny_model_dir("llama")
     assert load_engine(path, dtype="float64").model.fast is None
-    assert load_engine(path, dtype="bfloat16").model.fast is None
     assert load_engine(path, dtype="float32", quantize="q8_0").model.fast is None  # low-bit: batch-invariant kernels
     monkeypatch.setenv(fastpath.ENV_FASTPATH, "0")
     assert load_engine(path, dtype="float32").model.fast is None

@@ -36,7 +36,7 @@ def test_with_measured_steps_a_drafter_slower_than_the_target_is_not_run_in_the_
     target, draft = load_engine(folder, dtype="float64"), load_engine(folder, dtype="float64")
     measure_step(target)
     measure_step(draft)
-    draft.stats.step_ms = 10 * target.stats.step_ms  # as a bf16 self-draft on a CPU without bf16 kernels
+    draft.stats.step_ms = 10 * target.stats.step_ms  # as a bf16 self-draft through the torch path on a CPU
     result = generate(TargetVerifier(target), ModelDrafter(draft), [1, 2, 3],
                       SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True), k_policy=AdaptiveK())
     assert len(result.token_ids) == 12 and not any(event.num_draft_tokens for event in result.events)
