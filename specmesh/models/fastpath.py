@@ -79,14 +79,32 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def serves(num_rows: int, attention_pairs: int) -> bool:
+def serves(num_rows: int, attention_pairs: int, dtype: torch.dtype = torch.float32) -> bool:
     """Whether a forward of `num_rows` new tokens whose rows see `attention_pairs` keys in all takes the fast
-    path: a few rows always; a prefill when its rows see few keys, since the matmuls here beat the torch
-    path's at any row count but the attention is a plain loop over keys. Measured on the default model
-    (2 cores, torch path vs this one): a 37-token prompt 186 vs 85-108 ms, 64 tokens 247 vs 157, 128 tokens
-    376 vs 346, 16 prompts of ~50 tokens (799 rows) 2.8-3.5 vs 2.1-2.7 s; 512 tokens 1.3 vs 1.7 s, and
-    512 after 1536 cached 2.2 vs 5.4 s."""
-    return num_rows <= MAX_ROWS or attention_pairs <= num_rows * MAX_MEAN_KEYS
+    path: a few rows always (so a verify chain gives its one-token steps' numbers); a float32 prefill when its
+    rows see few keys, since the matmuls here beat the torch path's at any row count but the attention is a
+    plain loop over keys. Measured on the default model (2 cores, torch path vs this one): a 37-token prompt
+    186 vs 85-108 ms, 64 tokens 247 vs 157, 128 tokens 376 vs 346, 16 prompts of ~50 tokens (799 rows)
+    2.8-3.5 vs 2.1-2.7 s; 512 tokens 1.3 vs 1.7 s, and 512 after 1536 cached 2.2 vs 5.4 s. A bfloat16 prefill
+    goes to the torch path where the CPU multiplies bfloat16 itself (`bf16_matmul_in_hardware`): oneDNN's
+    bf16 matmuls then beat these widening loops (AVX-512 VM, 2 cores: 55 tokens 54 vs 87 ms, 128 tokens
+    99 vs 206)."""
+    if num_rows <= MAX_ROWS:
+        return True
+    if dtype == torch.bfloat16 and bf16_matmul_in_hardware():
+        return False
+    return attention_pairs <= num_rows * MAX_MEAN_KEYS
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_matmul_in_hardware() -> bool:
+    """Whether this CPU has bfloat16 dot products (AVX-512 BF16 or AMX), which oneDNN's bf16 matmuls use."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def eligible(config, dtype: torch.dtype, device: torch.device, kernel: str, has_quantized: bool) -> bool:

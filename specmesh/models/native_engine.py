@@ -221,14 +221,15 @@ class NativeEngine:
         return list(logits.split([len(item.logits_at) for item in batch]))
 
     def _fast_eligible(self, batch: Sequence[SeqInput], starts: list[int], num_tokens: int) -> bool:
-        """The float32 fast path (specmesh/models/fastpath.py) serves this forward (`fastpath.serves`: a few
+        """The CPU fast path (specmesh/models/fastpath.py) serves this forward (`fastpath.serves`: a few
         rows, or a short prefill). One-sequence groups need no layout of their own there: each query reads its
         own sequence's keys through its block table, the very keys (shared prefix, then its own region) that
         the grouped layout's mask leaves it."""
         if self.model.fast is None:
             return False
         return fastpath.serves(num_tokens, sum(len(item.token_ids) * (start + (len(item.token_ids) + 1) // 2)
-                                               for item, start in zip(batch, starts)))  # a chain's rows see half its new keys
+                                               for item, start in zip(batch, starts)),  # a chain's rows see half its new keys
+                               self.dtype)
 
     def _fast_forward(self, batch: Sequence[SeqInput], starts: list[int], new_slots: list[int]) -> torch.Tensor:
         """fastpath.cpp's per-call layout (its header says it) for the batch, and the call."""

@@ -68,7 +68,7 @@ def test_fast_path_matches_the_torch_forward(family, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["smollm2", "qwen3", "mistral-window"])
-def test_bfloat16_fast_path_computes_the_bfloat16_weights_in_float32(family, tiny_model_dir, tmp_path):
+def test_bfloat16_fast_path_computes_the_bfloat16_weights_in_float32(family, tiny_model_dir, tmp_path, monkeypatch):
     """bfloat16 weights and KV, float32 activations: close to the float32 forward of the same (bfloat16-rounded)
     weights, only the keys' and values' rounding between them, and closer to it than the bfloat16 torch path,
     which rounds every activation too."""
@@ -76,6 +76,7 @@ def test_bfloat16_fast_path_computes_the_bfloat16_weights_in_float32(family, tin
         path = with_sliding_window(tiny_model_dir("mistral", init_std=0.2), tmp_path / "window", 6)
     else:
         path = tiny_model_dir(family, init_std=0.2)
+    monkeypatch.setattr(fastpath, "bf16_matmul_in_hardware", lambda: False)  # the prefills on the fast path too
     rounded = tmp_path / "rounded"
     shutil.copytree(path, rounded)
     weights = load_file(rounded / "model.safetensors")
@@ -127,6 +128,23 @@ def test_each_row_is_bit_identical_to_the_row_alone(tiny_model_dir, hidden_size,
         assert torch.equal(results[0], results[1])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("hardware", [True, False])
+def test_a_bfloat16_prefill_takes_the_torch_path_where_the_cpu_multiplies_bfloat16(tiny_model_dir, monkeypatch, hardware):
+    """Past MAX_ROWS rows a bfloat16 forward goes to oneDNN's bf16 matmuls where the CPU has bf16 dot products;
+    a verify chain of up to MAX_ROWS tokens stays on the fast path (its one-token steps' numbers)."""
+    monkeypatch.setattr(fastpath, "bf16_matmul_in_hardware", lambda: hardware)
+    engine = load_engine(tiny_model_dir("smollm2"), dtype="bfloat16", block_size=4)
+    calls = []
+    fast = engine.model.fast
+    monkeypatch.setattr(engine.model, "fast", lambda *args: calls.append(args[2]) or fast(*args))
+    seq = engine.new_sequence()
+    engine.forward([SeqInput(seq, random_ids(engine.vocab_size, 40, seed=1), [39])])
+    assert len(calls) == (0 if hardware else 1)
+    engine.forward([SeqInput(seq, random_ids(engine.vocab_size, fastpath.MAX_ROWS, seed=2), [0])])
+    assert len(calls) == (1 if hardware else 2)
+    assert fastpath.serves(40, 40 * 20, torch.float32) and fastpath.serves(40, 40 * 20, torch.bfloat16) != hardware
 
 
 def test_models_the_fast_path_does_not_serve_keep_the_torch_forward(tiny_model_dir, monkeypatch):
