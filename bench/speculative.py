@@ -40,6 +40,7 @@ from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
 from specmesh.drafters.model import ModelDrafter  # noqa: E402
 from specmesh.drafters.ngram import PromptLookupDrafter  # noqa: E402
 from specmesh.models.chat import chat_prompt_ids  # noqa: E402
+from specmesh.models.engine import measure_step  # noqa: E402
 from specmesh.models.load import load_engine  # noqa: E402
 from specmesh.models.resolve import resolve_model_spec  # noqa: E402
 
@@ -134,6 +135,8 @@ def main() -> int:
     target = load_engine(folder, dtype="float32")
     bf16 = load_engine(folder, dtype="bfloat16")
     int8 = load_engine(folder, dtype="float32", quantize="int8")
+    for engine in (target, bf16, int8):  # as `specmesh generate --local` does: the costs known before a first round
+        measure_step(engine)
     verifier = TargetVerifier(target)
     hf_fp32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     hf_bf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
