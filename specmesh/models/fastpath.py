@@ -69,7 +69,7 @@ def library() -> ctypes.CDLL | None:
             raise RuntimeError(f"no C++ compiler {compiler!r} on PATH")
         lib = ctypes.CDLL(str(build(compiler, specmesh_home() / "kernels", sources=[SOURCE], name="fastpath")))
     except (OSError, RuntimeError) as exc:
-        warnings.warn(f"float32 fast path unavailable, using the torch forward: {exc}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"CPU fast path unavailable, using the torch forward: {exc}", RuntimeWarning, stacklevel=2)
         return None
     for entry in (lib.fastpath_forward, lib.fastpath_forward_bf16):
         entry.argtypes = [_P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _P, _INT]
@@ -99,11 +99,9 @@ def serves(num_rows: int, attention_pairs: int, dtype: torch.dtype = torch.float
 @functools.lru_cache(maxsize=1)
 def bf16_matmul_in_hardware() -> bool:
     """Whether this CPU has bfloat16 dot products (AVX-512 BF16 or AMX), which oneDNN's bf16 matmuls use."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    from specmesh.models.lowbit.kernel import cpu_flags
+
+    flags = cpu_flags().split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

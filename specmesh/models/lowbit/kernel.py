@@ -54,7 +54,8 @@ _SIGNATURES = {
 }
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature-flags line of /proc/cpuinfo ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -78,7 +79,7 @@ def build(compiler: str, cache_dir: Path, arch_flags: tuple[list[str], ...] = AR
     errors = []
     for arch in arch_flags:
         flags = FLAGS + arch
-        key = hashlib.sha1(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_flags().encode()])).hexdigest()[:16]
+        key = hashlib.sha1(b"\0".join([source, " ".join(flags).encode(), version.encode(), cpu_flags().encode()])).hexdigest()[:16]
         library = cache_dir / f"{name}-{key}.so"
         if library.is_file():
             return library
