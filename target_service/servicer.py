@@ -94,7 +94,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         state = SpeculationState(target.params, num_prompt_tokens=num_prompt_tokens, max_context=self.engine.max_context,
                                  eos_token_ids=self.engine.eos_token_ids, seed=seed)
         if isinstance(state.k_policy, AdaptiveK) and self.fused_drafter is not None:  # fused rounds: what drafting costs here
-            state.k_policy.prior_costs(getattr(self.fused_drafter, "ms_per_token", None), self.engine.stats.step_ms)
+            state.k_policy.prior_costs(getattr(self.fused_drafter, "ms_per_token", None), self.engine.stats.step_ms,
+                                       forward_cost=self.verifier.forward_cost())
         state.start(target.pending_token_id)
         return VerifySession(target, state, seed, encoder_input_ids=list(encoder_input_ids))
 

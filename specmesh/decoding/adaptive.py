@@ -169,14 +169,19 @@ class AdaptiveK:
         return self._k
 
     def prior_costs(self, draft_ms_per_token: float | None, decode_ms: float | None,
-                    catch_up_ms_per_token: float | None = None) -> None:
+                    catch_up_ms_per_token: float | None = None, forward_cost: ForwardCost | None = None) -> None:
         """Costs known before this generation's first round (the engines' own one-token forward times
         in this process, `EngineStats.step_ms`): they stand in until rounds measure them, and choose
         the first k, which is 0 when drafting cannot pay at these costs. Ignored once rounds measured.
         `catch_up_ms_per_token` (the drafter's engine's prefill ms per token) prices a probe's catch-up
-        until a catch-up round measures it (`catch_up_ms`)."""
+        until a catch-up round measures it (`catch_up_ms`). `forward_cost` (the verifier's fit over its
+        earlier requests' rounds) replaces the prior beta: without it a request's first gated draft is
+        priced at beta 0.1, where a CPU's verify forward grows 15-17% a token (measured: an n-gram draft
+        of 4 tokens let through on its first round, rejected, on every request of a prompt with no matches)."""
         if catch_up_ms_per_token is not None and self.catch_up_ms_per_token is None:
             self._catch_up_prior = catch_up_ms_per_token
+        if forward_cost is not None and not self._beta_measured:
+            self.beta, self._beta_measured = forward_cost.beta(), True
         if draft_ms_per_token is None or decode_ms is None or self.draft_ms_per_token is not None:
             return
         self.draft_ms_per_token, self.decode_ms = draft_ms_per_token, decode_ms

@@ -77,7 +77,7 @@ def speculative_stream(
     )
     if isinstance(state.k_policy, AdaptiveK) and drafter is not None:  # this process's measured costs, if any
         state.k_policy.prior_costs(getattr(drafter, "ms_per_token", None), engine.stats.step_ms,
-                                   getattr(drafter, "catch_up_ms_per_token", None))
+                                   getattr(drafter, "catch_up_ms_per_token", None), verifier.forward_cost())
     start = time.perf_counter()
     session = verifier.open(prompt_ids, params, target_generator)
     draft_state = None

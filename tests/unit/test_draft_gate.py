@@ -176,3 +176,51 @@ def test_plain_stretches_grow_while_drafts_do_not_pay_and_end_at_a_verified_draf
         off.next_k()
         _plain_round(off)
         assert off.plain_rounds() == 0
+
+
+def test_the_verifiers_known_token_cost_prices_a_requests_first_draft():
+    """A verifier that has fitted its forwards' cost (earlier requests' rounds) hands it to each new
+    request's policy before its first round: an unproved match (the prior's 1 in 9) is withheld at a
+    CPU's beta of 0.16, where the prior beta (0.1) would let it through."""
+    first_round = AdaptiveK()
+    assert first_round.pays(_prior_mean())  # the prior beta: an unproved match is verified
+    informed = AdaptiveK()
+    informed.prior_costs(None, None, forward_cost=ForwardCost(fixed_ms=9.2, ms_per_token=1.8))
+    assert informed.beta == pytest.approx(1.8 / 11.0) and not informed.pays(_prior_mean())
+    informed.update(0, 0, 0.0, 11.0, ForwardCost(fixed_ms=9.0, ms_per_token=1.0))  # later rounds average in
+    assert 1.0 / 10.0 < informed.beta < 1.8 / 11.0
+    late = AdaptiveK()
+    late.update(0, 0, 0.0, 11.0, ForwardCost(fixed_ms=9.0, ms_per_token=1.0))
+    late.prior_costs(None, None, forward_cost=ForwardCost(fixed_ms=9.2, ms_per_token=1.8))  # rounds measured first
+    assert late.beta == pytest.approx(0.1)
+
+
+def test_speculative_stream_gives_the_policy_the_verifiers_fit(tiny_model_dir):
+    import torch
+
+    from specmesh.decoding.speculative import generate
+    from specmesh.decoding.verifier import TargetVerifier
+    from specmesh.models.load import load_engine
+
+    class Unlikely:
+        """Proposes two tokens whose first it rates at 12% (above the prior beta, below the fit's)."""
+        device = torch.device("cpu")
+
+        def open(self, prompt_ids):
+            return None
+
+        def propose(self, state, accepted_since_last, max_tokens, params, generator):
+            return DraftProposal([3, 4][:max_tokens], acceptance=0.12)
+
+        def close(self, state):
+            pass
+
+    verifier = TargetVerifier(load_engine(tiny_model_dir("llama"), dtype="float32"))
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    cold = generate(verifier, Unlikely(), [5, 6, 7, 8], params, k_policy=AdaptiveK())
+    assert cold.stats.num_draft_tokens > 0  # nothing fitted yet: the prior beta lets the first draft through
+    for tokens in (1, 3, 1, 3, 1, 3):  # the forwards' cost, as earlier requests' rounds would have fitted it
+        verifier._round_costs.observe(tokens, 9.2 + 1.8 * tokens)
+    warm = generate(verifier, Unlikely(), [5, 6, 7, 8], params, k_policy=AdaptiveK())
+    assert warm.stats.num_draft_tokens == 0 and warm.stats.num_withheld_drafts > 0
+    assert warm.token_ids == cold.token_ids
