@@ -266,6 +266,14 @@ class AsyncCascadeDrafter:
         self.last_state = state
         return state
 
+    def opened_ms_per_token(self, state: CascadeState) -> float | None:
+        """`CostReporter`: the base drafter's draft token cost as it reported it (None when it did not:
+        an n-gram base, or none). A floor of a cascade token's cost (the stages add theirs per round),
+        which rounds then measure; without it the first round, which also prefills the prompt on every
+        level, stands for a draft token's cost and keeps the cascade at k = 0 for the rest of a request."""
+        reporter = getattr(self.base, "opened_ms_per_token", None)
+        return reporter(state.base) if reporter is not None and state.base is not None else None
+
     async def propose(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         book = state.book
         assert book is not None  # made by open

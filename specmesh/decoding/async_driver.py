@@ -113,7 +113,7 @@ async def speculative_stream_async(
     (FUSED_STEP), or an `AsyncRunner` that steps the rounds itself and streams them (FUSED_RUN,
     SERVER_RUN: no round waits for a round trip to this driver; the state folds them in as they land
     and stops the stream at its own finish, e.g. a stop string; k is then the verifier's policy's
-    unless `k_policy` is a `FixedK`). CLIENT_ROUNDS_PLAIN_RUNS: the verifier is an `AsyncRunner`,
+    unless `k_policy` is a `FixedK`). CLIENT_ROUNDS_PLAIN_RUNS, CASCADE_PLAIN_RUNS: the verifier is an `AsyncRunner`,
     and a round with nothing to verify and the plain stretch it starts
     (`SpeculationState.plain_rounds_from_here`) are handed to it in one `run`. The final event's
     stats name the plan."""
@@ -126,7 +126,7 @@ async def speculative_stream_async(
     state = SpeculationState(
         params, num_prompt_tokens=len(prompt_ids), max_context=info.max_context, eos_token_ids=info.eos_token_ids,
         k_policy=k_policy, has_drafter=drafter is not None or plan.fused, decode=decode, prompt_ids=prompt_ids, seed=seed,
-        vocab_size=info.vocab_size, plain_stretches=plan is Plan.CLIENT_ROUNDS_PLAIN_RUNS,
+        vocab_size=info.vocab_size, plain_stretches=plan.plain_runs,
     )
     state.stats.plan = plan.value
     start = time.perf_counter()
@@ -146,7 +146,7 @@ async def speculative_stream_async(
                 draft_state = await drafter.open(prompt_ids, params)
                 _prior_costs(state, verifier, session, drafter, draft_state)
             rounds = _client_rounds(verifier, session, state, drafter, draft_state,
-                                    plain_runs=plan is Plan.CLIENT_ROUNDS_PLAIN_RUNS)
+                                    plain_runs=plan.plain_runs)
         async with aclosing(rounds):
             async for event in rounds:  # (closed at once when this stream is: the call is cancelled)
                 yield event

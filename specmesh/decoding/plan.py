@@ -10,6 +10,7 @@ The plans (where the draft comes from; who steps the rounds):
                             `SpeculationState.plain_rounds_from_here`) goes to the verifier as one Run
   CASCADE                   client rounds whose drafter is a cascade of Stage services (each stage
                             verifies the level below and drafts for the one above)
+  CASCADE_PLAIN_RUNS        the same, a plain stretch going to the verifier as one Run (as above)
   FUSED_STEP                the verifier drafts with its hosted drafter and verifies: one Step per round
   FUSED_RUN                 the verifier drafts and steps every round itself, streaming them (one Run)
   PLAIN_ROUNDS              no draft: a Verify call per target token (plain decoding, driven here)
@@ -41,6 +42,7 @@ class Plan(enum.Enum):
     CLIENT_ROUNDS = "client_rounds"
     CLIENT_ROUNDS_PLAIN_RUNS = "client_rounds_plain_runs"
     CASCADE = "cascade"
+    CASCADE_PLAIN_RUNS = "cascade_plain_runs"
     FUSED_STEP = "fused_step"
     FUSED_RUN = "fused_run"
     PLAIN_ROUNDS = "plain_rounds"
@@ -50,7 +52,13 @@ class Plan(enum.Enum):
     @property
     def drafts_here(self) -> bool:
         """The driver calls a drafter of its own (else the verifier drafts, or nothing does)."""
-        return self in (Plan.CLIENT_ROUNDS, Plan.CLIENT_ROUNDS_PLAIN_RUNS, Plan.CASCADE)
+        return self in (Plan.CLIENT_ROUNDS, Plan.CLIENT_ROUNDS_PLAIN_RUNS, Plan.CASCADE, Plan.CASCADE_PLAIN_RUNS)
+
+    @property
+    def plain_runs(self) -> bool:
+        """Client rounds whose plain stretches (`SpeculationState.plain_rounds_from_here`) go to the
+        verifier as one Run each."""
+        return self in (Plan.CLIENT_ROUNDS_PLAIN_RUNS, Plan.CASCADE_PLAIN_RUNS)
 
     @property
     def fused(self) -> bool:
@@ -78,7 +86,7 @@ def choose_plan(mode: str, *, drafter: bool, server_rounds: bool, cascade: bool 
     if mode == "skeleton":
         return Plan.SKELETON
     if mode == "speculative" and cascade:
-        return Plan.CASCADE
+        return Plan.CASCADE_PLAIN_RUNS if server_rounds else Plan.CASCADE
     if mode == "fused" or (mode == "speculative" and drafter and drafter_on_verify):
         return Plan.FUSED_RUN if server_rounds else Plan.FUSED_STEP
     if mode == "speculative" and drafter:

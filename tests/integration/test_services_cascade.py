@@ -166,8 +166,9 @@ def test_the_coordinator_runs_the_configured_cascade_exactly_and_reports_each_st
     expected = generate(TargetVerifier(load_engine(folders["target"], dtype="float64")), None, ids, params).token_ids
 
     async def run(cascade: str, mode=coordinator_pb2.GENERATION_MODE_SPECULATIVE):
+        # k fixed: the tiny models' measured costs could keep an adaptive k at 0 (plain runs), with no stage rounds
         request = coordinator_pb2.GenerateRequest(prompt=prompt, mode=mode, drafter="service", cascade=cascade,
-                                                  sampling=common_pb2.SamplingParams(temperature=0, ignore_eos=True,
+                                                  num_draft_tokens=4, sampling=common_pb2.SamplingParams(temperature=0, ignore_eos=True,
                                                                                      max_new_tokens=30))
         async with channel(f"127.0.0.1:{coordinator.port}") as ch:
             tokens, last = [], None
@@ -180,11 +181,11 @@ def test_the_coordinator_runs_the_configured_cascade_exactly_and_reports_each_st
     assert tokens == expected
     assert [s.stage for s in stats.cascade_stages] == [f"127.0.0.1:{ports['stage_low']}", f"127.0.0.1:{ports['stage']}"]
     assert all(s.num_rounds > 0 and s.num_draft_tokens > 0 and not s.retired for s in stats.cascade_stages)
-    assert not stats.lossy and stats.num_draft_tokens > 0 and stats.plan == "cascade"
+    assert not stats.lossy and stats.num_draft_tokens > 0 and stats.plan == "cascade_plain_runs"
     tokens, stats = asyncio.run(run(f"127.0.0.1:{ports['stage']}"))  # one of the configured stages only
     assert tokens == expected and len(stats.cascade_stages) == 1
     tokens, stats = asyncio.run(run("none"))
-    assert stats.plan != "cascade"
+    assert not stats.plan.startswith("cascade")
     assert tokens == expected and not stats.cascade_stages
     for cascade, mode in ((f"127.0.0.1:{ports['verify']}", coordinator_pb2.GENERATION_MODE_SPECULATIVE),
                           ("", coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE)):

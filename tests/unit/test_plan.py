@@ -40,8 +40,8 @@ def test_every_input_gets_one_plan_or_a_clear_refusal(mode, drafter, on_verify, 
             choose_plan(mode, drafter=drafter, drafter_on_verify=on_verify, cascade=cascade, server_rounds=server_rounds)
         return
     plan = choose_plan(mode, drafter=drafter, drafter_on_verify=on_verify, cascade=cascade, server_rounds=server_rounds)
-    if cascade:  # the stages draft for the target, whatever sits below them
-        assert plan is Plan.CASCADE
+    if cascade:  # the stages draft for the target, whatever sits below them; plain stretches as one Run where it can
+        assert plan is (Plan.CASCADE_PLAIN_RUNS if server_rounds else Plan.CASCADE)
     elif (mode, drafter, on_verify, cascade, server_rounds) in EXPECTED:
         assert plan is EXPECTED[mode, drafter, on_verify, cascade, server_rounds]
     # the rules the table spells out, for every input
@@ -58,10 +58,12 @@ def test_an_unknown_mode_is_refused():
 
 
 def test_the_plans_are_the_wire_names_of_the_stats():
-    assert [p.value for p in Plan] == ["client_rounds", "client_rounds_plain_runs", "cascade", "fused_step", "fused_run",
-                                       "plain_rounds", "server_run", "skeleton"]
+    assert [p.value for p in Plan] == ["client_rounds", "client_rounds_plain_runs", "cascade", "cascade_plain_runs",
+                                       "fused_step", "fused_run", "plain_rounds", "server_run", "skeleton"]
     assert {p for p in Plan if p.fused} == {Plan.FUSED_STEP, Plan.FUSED_RUN}
-    assert {p for p in Plan if p.drafts_here} == {Plan.CLIENT_ROUNDS, Plan.CLIENT_ROUNDS_PLAIN_RUNS, Plan.CASCADE}
+    assert {p for p in Plan if p.drafts_here} == {Plan.CLIENT_ROUNDS, Plan.CLIENT_ROUNDS_PLAIN_RUNS, Plan.CASCADE,
+                                                  Plan.CASCADE_PLAIN_RUNS}
+    assert {p for p in Plan if p.plain_runs} == {Plan.CLIENT_ROUNDS_PLAIN_RUNS, Plan.CASCADE_PLAIN_RUNS}
 
 
 class _NoCalls:

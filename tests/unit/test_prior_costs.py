@@ -120,3 +120,20 @@ def test_a_cheap_drafter_drafts_from_the_first_round():
 def test_without_both_reports_the_first_round_drafts_at_the_initial_k(target, drafter):
     assert _generate(target, drafter) == _expected()
     assert drafter.asked[0] == AdaptiveK().k_init
+
+
+@pytest.mark.parametrize("base_ms, drafts", [(60.0, False), (0.5, True)])
+def test_a_cascade_reports_its_base_drafters_cost(base_ms, drafts):
+    """A cascade is a `CostReporter` through its base drafter: its first round is priced at the base's
+    reported draft token (the stages add their cost per round, which rounds then measure), not at what
+    the first round took, which also prefills the prompt on every level. No base report, no prior."""
+    from specmesh.cascade.pipeline import AsyncCascadeDrafter
+
+    base = ReportingDrafter(ms_per_token=base_ms)
+    cascade = AsyncCascadeDrafter(base, [])
+    state = asyncio.run(cascade.open([1, 2, 3], SamplingParams(temperature=0)))
+    assert cascade.opened_ms_per_token(state) == base_ms
+    assert _generate(ReportingTarget(step_ms=28.0), AsyncCascadeDrafter(base, [])) == _expected()
+    assert any(base.asked) is drafts
+    silent = AsyncCascadeDrafter(OracleDrafter(ms_per_token=base_ms), [])
+    assert silent.opened_ms_per_token(asyncio.run(silent.open([1, 2, 3], SamplingParams(temperature=0)))) is None

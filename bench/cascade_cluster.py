@@ -1,0 +1,159 @@
+"""The shipped cascade through the Coordinator: configs/local-cascade.yaml as it ships (int8 Draft ->
+bf16 Stage -> fp32 Verify, each its own process, placed as the launcher places them on this host),
+against autoregressive decoding through the same cluster.
+
+    .venv/bin/python bench/cascade_cluster.py [--repeats 3] [--max-new-tokens 64] [--quick]
+
+Greedy, the default model, the chat prompts of bench/speculative.py and bench/cluster.py; each
+(prompt, repeat) runs every row back to back (the order reverses each repeat), and a row's figure is
+its time per token over autoregressive's of the same prompt and repeat, the median over them (the
+highest prompt beside it). Rows, all through the one Coordinator:
+- autoregressive (the Verify service's `Run`; the reference)
+- speculative, the shipped cascade (`cascade` unset: every configured Stage, cheapest first; lossless)
+- speculative, `cascade: "none"` (the int8 Draft service straight to Verify; lossless)
+- speculative, adaptive cascade at lambda 16 (`cascade_lambda`: LOSSY, opt-in; the shipped predictor)
+The lossless rows must give autoregressive's tokens; the adaptive row reports its agreement with them.
+Goal (issue 29): the shipped cascade <= 0.90x autoregressive time per token on chat prompts, exact.
+Writes bench/results/cascade_cluster.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cluster import PROMPTS as CLUSTER_PROMPTS  # noqa: E402
+
+from client.cluster import Cluster, load_cluster_config  # noqa: E402
+from servicekit.channels import open_channel  # noqa: E402
+from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
+
+CONFIG = ROOT / "configs" / "local-cascade.yaml"
+SPEC, AR = coordinator_pb2.GENERATION_MODE_SPECULATIVE, coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE
+CHAT_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "What are the main differences between cats and dogs as pets?",
+    *[p for p in CLUSTER_PROMPTS if not p.startswith("Repeat")],  # bench/cluster.py's, less its echo prompt
+]
+LAMBDA = 16.0
+ROWS = {  # name: (mode, cascade, cascade_lambda or None)
+    "autoregressive": (AR, "", None),
+    "speculative, shipped cascade (int8 -> bf16 -> fp32)": (SPEC, "", None),
+    "speculative, no cascade (int8 -> fp32)": (SPEC, "none", None),
+    f"speculative, adaptive cascade, lambda {LAMBDA:g} (lossy)": (SPEC, "", LAMBDA),
+}
+REFERENCE = "autoregressive"
+
+
+async def one(address: str, prompt: str, mode: int, cascade: str, lam: float | None, max_new_tokens: int) -> dict:
+    request = coordinator_pb2.GenerateRequest(
+        chat=coordinator_pb2.ChatMessages(messages=[coordinator_pb2.ChatMessage(role="user", content=prompt)]),
+        mode=mode, drafter="service" if mode == SPEC else "", cascade=cascade,
+        sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
+    if lam is not None:
+        request.cascade_lambda = lam
+    tokens, stats = [], None
+    async with open_channel(address) as channel:
+        start = time.perf_counter()
+        async for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=600):
+            tokens += response.token_ids
+            if response.HasField("stats"):
+                stats = response.stats
+        wall = time.perf_counter() - start
+    assert stats is not None
+    return {"tokens": list(tokens), "wall_s": wall, "drafted": stats.num_draft_tokens, "accepted": stats.num_accepted_tokens,
+            "target_forwards": stats.num_target_forwards}
+
+
+def agreement(tokens: list[int], reference: list[int]) -> float:
+    return sum(a == b for a, b in zip(tokens, reference)) / max(len(tokens), len(reference), 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="2 prompts, 1 repeat, 16 tokens (smoke run)")
+    args = parser.parse_args()
+    prompts = CHAT_PROMPTS[:2] if args.quick else CHAT_PROMPTS
+    repeats, max_new = (1, 16) if args.quick else (args.repeats, args.max_new_tokens)
+    specs = load_cluster_config(CONFIG)  # the shipped placement on this host
+    placement = {s.name: (list(s.cpus), s.torch_threads) for s in specs}
+    for spec in specs:
+        spec.options["port"] = 0  # free ports: never collides with a running cluster
+        spec.options.pop("metrics_port", None)
+    runs: dict[str, list[dict]] = {name: [] for name in ROWS}
+    with Cluster(specs) as cluster:
+        address = cluster.addresses_of("coordinator")[0]
+        for mode, cascade, lam in ROWS.values():  # warm-up: kernels, each service's first forward
+            asyncio.run(one(address, prompts[0], mode, cascade, lam, 8))
+        for repeat in range(repeats):
+            for index, prompt in enumerate(prompts):
+                order = list(ROWS) if (repeat + index) % 2 == 0 else list(ROWS)[::-1]
+                for name in order:
+                    run = asyncio.run(one(address, prompt, *ROWS[name], max_new))
+                    run.update(prompt=index, repeat=repeat)
+                    runs[name].append(run)
+                print(f"[repeat {repeat + 1}/{repeats}, prompt {index}] "
+                      + ", ".join(f"{n.split(',')[0] if n == REFERENCE else n}: {runs[n][-1]['wall_s']:.2f} s" for n in ROWS),
+                      flush=True)
+
+    def ms_per_token(run: dict) -> float:
+        return run["wall_s"] * 1e3 / max(1, len(run["tokens"]))
+
+    reference = {(r["prompt"], r["repeat"]): r for r in runs[REFERENCE]}
+    rows = []
+    for name, (_mode, _cascade, lam) in ROWS.items():
+        mine = runs[name]
+        ratios = [ms_per_token(r) / ms_per_token(reference[r["prompt"], r["repeat"]]) for r in mine]
+        per_prompt = [statistics.median(x for x, r in zip(ratios, mine) if r["prompt"] == i) for i in range(len(prompts))]
+        drafted = sum(r["drafted"] for r in mine)
+        agree = [agreement(r["tokens"], reference[r["prompt"], r["repeat"]]["tokens"]) for r in mine]
+        rows.append({"row": name, "lossy": lam is not None, "exact": all(a == 1.0 for a in agree),
+                     "token_agreement": statistics.mean(agree), "ms_per_token": statistics.median(map(ms_per_token, mine)),
+                     "vs_autoregressive": statistics.median(ratios), "highest_prompt": max(per_prompt),
+                     "per_prompt": per_prompt, "acceptance": sum(r["accepted"] for r in mine) / drafted if drafted else None,
+                     "draft_tokens_per_request": drafted / len(mine)})
+        print(f"  {name}: {rows[-1]['ms_per_token']:.1f} ms/token, {rows[-1]['vs_autoregressive']:.3f}x autoregressive",
+              flush=True)
+    command = ".venv/bin/python bench/cascade_cluster.py" + (" --quick" if args.quick else "") + (
+        f" --repeats {args.repeats}" if args.repeats != 3 and not args.quick else "") + (
+        f" --max-new-tokens {args.max_new_tokens}" if args.max_new_tokens != 64 and not args.quick else "")
+    out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
+           "cores": os.cpu_count(), "placement": placement, "repeats": repeats, "max_new_tokens": max_new,
+           "prompts": prompts, "rows": rows, "runs": runs}
+    results = ROOT / "bench" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "cascade_cluster.json").write_text(json.dumps(out, indent=1))
+    where = "; ".join(f"{n}: cpus {','.join(map(str, c)) or 'any'}, {t} thread(s)" for n, (c, t) in placement.items())
+    lines = ["# The shipped cascade through the Coordinator vs autoregressive", "",
+             f"`{command}`, {out['date']}, {out['machine']}, {out['cores']} cores. `configs/local-cascade.yaml` as shipped "
+             f"({where}); greedy, {max_new} new tokens, {len(prompts)} chat prompts x {repeats} repeats, rows back to back "
+             "per prompt (order reversed each repeat). Ratio: time per token over autoregressive's for the same prompt and "
+             "repeat (whole request, prefill and stream included), the median; highest prompt: the largest per-prompt median. "
+             "Goal (issue 29): the shipped cascade <= 0.90x, exact.", "",
+             "| row | ms/token | vs autoregressive | highest prompt | draft tokens / request | acceptance | exact (token agreement) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        exact = "yes" if r["exact"] else f"NO ({r['token_agreement']:.0%})" if not r["lossy"] else f"lossy ({r['token_agreement']:.0%})"
+        lines.append(f"| {r['row']} | {r['ms_per_token']:.1f} | {r['vs_autoregressive']:.3f}x | {r['highest_prompt']:.3f}x | "
+                     f"{r['draft_tokens_per_request']:.1f} | {acc} | {exact} |")
+    (results / "cascade_cluster.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if all(r["exact"] for r in rows if not r["lossy"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
