@@ -19,10 +19,13 @@ Worked example (k = 3, context of 10 tokens, pending = [c9]):
 
 Drafting ahead (`draft_ahead_step`). While the target verifies a proposal x_0..x_{k-1}, the drafter
 may go on as if the target accepts all k and then emits the drafter's own guess g at the next
-position: one forward feeds x_{k-1} to make g (and is then truncated away), then it drafts
-y_0, y_1, ... exactly as the next `propose` would after `accepted_since_last = [x_0..x_{k-1}, g]`:
-the first forward feeds [x_{k-1}, g] together, as that call's pending tokens would be fed, and each
-later one feeds the previous draft. When the next call brings exactly x_0..x_{k-1}, g, the first
+position: one forward feeds x_{k-1} to make g, then it drafts y_0, y_1, ... exactly as the next
+`propose` would after `accepted_since_last = [x_0..x_{k-1}, g]`: that call would feed [x_{k-1}, g]
+together. On an engine whose steps equal its chains bit for bit (`NativeEngine.steps_equal_chains`:
+the CPU fast path) the guess forward's KV of x_{k-1} is what that chain would write, so it stays and
+the first draft ahead feeds g alone: one forward of two rows fewer per round. Elsewhere the guess
+forward is truncated away and the first draft ahead feeds [x_{k-1}, g]. Each later one feeds the
+previous draft. When the next call brings exactly x_0..x_{k-1}, g, the first
 min(k', drafted) of the y's are the proposal and drafting goes on from there; otherwise the ahead
 KV is truncated, the session's generator is put back to its state before the first ahead draw, and
 the call proceeds as if nothing had been drafted ahead. Either way a proposal is the one drafting
@@ -59,6 +62,7 @@ class ModelDraftState:
     num_tokens: int = 0  # context length (KV + pending) before drafting
     last_drafts: list[int] = field(default_factory=list)  # the last proposal's tokens
     ahead: DraftAhead | None = None  # drafts made past the last proposal, awaiting the target's verdict
+    guess_held: bool | None = None  # at the last proposal: whether the verdict was the guess ahead (None: no guess)
 
 
 @dataclass
@@ -69,6 +73,7 @@ class DraftAhead:
     depth: int  # how many tokens to draft ahead
     transform: object  # the q transform they were drawn with: a hit needs the same
     before: torch.Tensor | None  # the generator's state before the first ahead draw (None: draws use none)
+    kept_last: bool = False  # the guess forward's KV of the last draft stayed (steps equal chains): feed the guess alone
     tokens: list[int] = field(default_factory=list)
     qs: list[torch.Tensor] = field(default_factory=list)
     after: list[torch.Tensor] = field(default_factory=list)  # the generator's state after each draw
@@ -141,6 +146,9 @@ class ModelDrafter:
     ) -> list[DraftProposal]:
         for state, tokens, k in zip(states, accepted, max_tokens):
             self.check_call(state, tokens, k)  # all, before any state moves
+        for state, tokens in zip(states, accepted):
+            ahead = state.ahead
+            state.guess_held = None if ahead is None else list(map(int, tokens)) == [*state.last_drafts, ahead.guess]
         hits = [self._ahead_hit(s, tokens, k) for s, tokens, k in zip(states, accepted, max_tokens)]
         for state, tokens, generator, hit in zip(states, accepted, generators, hits):
             if hit:  # _take_ahead moves the KV and pending below
@@ -203,17 +211,22 @@ class ModelDrafter:
             state, ahead = states[i], states[i].ahead
             if ahead is None:
                 feed = [state.last_drafts[-1]]
+            elif ahead.tokens:
+                feed = [ahead.tokens[-1]]
             else:
-                feed = [state.last_drafts[-1], ahead.guess] if not ahead.tokens else [ahead.tokens[-1]]
+                feed = [ahead.guess] if ahead.kept_last else [state.last_drafts[-1], ahead.guess]
             inputs.append(SeqInput(state.seq_id, feed, [len(feed) - 1]))
         logits = self.engine.forward(inputs)
         for i, row in zip(chosen, logits):
             state, ahead, generator = states[i], states[i].ahead, generators[i]
             end = state.base_len + state.num_drafted  # the context if every draft is accepted
             if ahead is None:
-                self.engine.truncate(state.seq_id, end - 1)  # x_{k-1} is fed again with the guess
+                keep = bool(getattr(self.engine, "steps_equal_chains", False))
+                if not keep:
+                    self.engine.truncate(state.seq_id, end - 1)  # x_{k-1} is fed again with the guess
                 before = None if params[i].is_greedy or params[i].is_coupled else generator.get_state()
-                state.ahead = DraftAhead(self._guess(row, params[i], generator, end), depths[i], self.q_transform, before)
+                state.ahead = DraftAhead(self._guess(row, params[i], generator, end), depths[i], self.q_transform, before,
+                                         kept_last=keep)
                 continue
             token, q = self._draw(row, params[i], generator, end + 1 + len(ahead.tokens))
             ahead.tokens.append(token)

@@ -168,6 +168,14 @@ class NativeEngine:
     def num_free_blocks(self) -> int:
         return self.cache.blocks.num_free_blocks
 
+    @property
+    def steps_equal_chains(self) -> bool:
+        """Whether a forward of a few rows (up to `fastpath.MAX_ROWS`) gives, bit for bit, the logits and KV
+        of one-token steps of the same tokens, whatever else is in the batch: the CPU fast path
+        (tests/engine/test_fastpath_rows.py). A drafter drafting ahead may then keep a step's KV where a
+        chain would have written it (`ModelDrafter.draft_ahead_step`)."""
+        return self.model.fast is not None
+
     def kv_usage(self) -> KvUsage:
         blocks = self.cache.blocks
         return KvUsage(blocks.block_size, blocks.num_blocks, blocks.num_free_blocks)
