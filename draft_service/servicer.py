@@ -13,8 +13,9 @@ thread, only while no Propose waits or runs (`WindowBatcher.wait_idle`), until e
 as many tokens ahead as its last Propose asked for. A Propose that finds the verdict it guessed is
 answered from those drafts; proposals are the same as without drafting ahead. A forward that would
 still run when the session's next Propose is due (the time from an answer to the next call, measured
-per session, against the measured time of a forward ahead) is not started: it would delay that call,
-so where the target's round is shorter than a draft forward nothing is drafted ahead.
+per session, against the measured time of a forward ahead) would delay that call on a miss, and on a
+hit save the part of it done before: it is started only where the session's guesses usually hold
+(`specmesh.decoding.ahead.forward_pays` weighs the two with the session's measured hit rate).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from servicekit.process import process_info_pb
 from servicekit.rounds import RoundLog
 from servicekit.session_service import SessionService
 from servicekit.tasks import cancel_and_wait
-from specmesh.decoding.ahead import forward_fits, moving_average
+from specmesh.decoding.ahead import forward_pays, moving_average
 from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import draft_seed
@@ -68,6 +69,7 @@ class DraftSession:
     closed: bool = False  # set on the engine thread when its state is freed
     answered_at: float = 0.0  # perf_counter when its last Propose was answered
     gap_ms: float | None = None  # time from an answer to the next Propose (moving average)
+    hit_rate: float | None = None  # how often the verdict was the guess drafted ahead from (moving average)
 
 
 @dataclass
@@ -182,7 +184,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
 
     def _due(self, session: DraftSession, now: float) -> bool:
         """Whether one more forward ahead would still run when the session's next Propose is expected."""
-        return not forward_fits((now - session.answered_at) * 1e3, self._ahead_forward_ms, session.gap_ms)
+        return not forward_pays((now - session.answered_at) * 1e3, self._ahead_forward_ms, session.gap_ms, session.hit_rate)
 
     # engine-thread work
     def _run_batch(self, calls: Sequence[ProposeCall]) -> list:
@@ -263,6 +265,9 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             self.check_kv_quota(len(accepted) + k)
             result: ProposeResult = await self.batcher.submit(ProposeCall(session, accepted, k, q_dtype))
             session.num_tokens += len(accepted)
+            held = getattr(session.state, "guess_held", None)
+            if held is not None:
+                session.hit_rate = moving_average(session.hit_rate, float(held))
             response = propose_response(result.proposal, request, self.vocab_size, result.draft_ms)
             session.rounds.remember(request, response)
             session.answered_at = time.perf_counter()

@@ -54,7 +54,7 @@ from typing import Any
 import simpy
 
 from specmesh.decoding.adaptive import FixedK
-from specmesh.decoding.ahead import forward_fits, moving_average
+from specmesh.decoding.ahead import forward_pays, moving_average
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.state import SpeculationState
 from specmesh.routing.registry import make_router
@@ -110,13 +110,14 @@ class Process:
 
 class AheadRun:
     """One session's drafting ahead (`DraftOptions.draft_ahead`): after each answer, the guess forward
-    and then a forward per draft, each started only while `specmesh.decoding.ahead.forward_fits` says
-    it ends before the session's next Propose is expected. Its Draft server's `AheadBatcher` runs them."""
+    and then a forward per draft, each started only while `specmesh.decoding.ahead.forward_pays` says
+    so (it ends before the session's next Propose is expected, or the guess usually holds). Its Draft server's `AheadBatcher` runs them."""
 
     def __init__(self, batcher: AheadBatcher):
         self.batcher = batcher
         self.answered_s = 0.0
         self.gap_ms: float | None = None  # answer -> next Propose (moving average), as the service measures it
+        self.hit_rate: float | None = None  # whether the verdict was the guess (moving average), as the service measures it
         self.k = 0
         self.context = 0  # the context if every draft is accepted and the guess holds
         self.forwards = 0  # forwards ahead since the last answer: the guess, then one per draft
@@ -134,13 +135,15 @@ class AheadRun:
 
     def wants(self, now_s: float) -> bool:
         return (not self.stopped and self.forwards < self.k + 1
-                and forward_fits((now_s - self.answered_s) * 1e3, self.forward_ms(), self.gap_ms))
+                and forward_pays((now_s - self.answered_s) * 1e3, self.forward_ms(), self.gap_ms, self.hit_rate))
 
     def on_propose(self, env: simpy.Environment, k: int, hit: bool):
         """At the next Propose: how many of its k drafts were drafted ahead (0 unless the guess held)."""
         if self.stopped:
             return 0
         self.gap_ms = moving_average(self.gap_ms, (env.now - self.answered_s) * 1e3)
+        if self.forwards >= 1:  # a guess was made: judged now
+            self.hit_rate = moving_average(self.hit_rate, float(hit))
         self.stopped = True
         if self.in_flight is not None:  # the forward under way ends first (the engine runs one job at a time)
             yield self.in_flight

@@ -99,8 +99,10 @@ def test_concurrent_streams_with_drafts_ahead_free_their_kv(services, target):
     assert wait_for(lambda: servicer.num_sessions == 0 and kv().free_blocks == kv().total_blocks, 10)
 
 
-def test_no_forward_ahead_starts_that_would_delay_the_next_call(services):
-    """A forward ahead is started only if it ends before the session's next Propose is expected."""
+def test_a_forward_ahead_that_would_delay_the_next_call_starts_only_where_guesses_hold(services):
+    """A forward ahead is started if it ends before the session's next Propose is expected; one that
+    would not, only where the session's measured hit rate says the part done before the call (saved on
+    a hit) outweighs the rest (lost on a miss)."""
     from draft_service.servicer import DraftSession
 
     _, servicer = services[True]
@@ -112,7 +114,12 @@ def test_no_forward_ahead_starts_that_would_delay_the_next_call(services):
         session.gap_ms = 50.0
         assert not servicer._due(session, 100.010)  # 10 ms in, a 30 ms forward ends before the call at 50 ms
         assert servicer._due(session, 100.025)  # 25 ms in it would not
+        session.hit_rate = 0.9
+        assert not servicer._due(session, 100.025)  # 25 ms saved 9 times in 10, 5 ms lost once
+        session.hit_rate = 0.8
+        assert servicer._due(session, 100.045)  # 5 ms saved 8 times in 10, 25 lost twice
+        session.hit_rate = None
         servicer._ahead_forward_ms = 80.0
-        assert servicer._due(session, 100.0)  # a forward longer than the target's round: never
+        assert servicer._due(session, 100.0)  # a forward longer than the target's round: not before a guess held
     finally:
         servicer._ahead_forward_ms = saved
