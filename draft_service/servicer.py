@@ -184,7 +184,10 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
 
     def _due(self, session: DraftSession, now: float) -> bool:
         """Whether one more forward ahead would still run when the session's next Propose is expected."""
-        return not forward_pays((now - session.answered_at) * 1e3, self._ahead_forward_ms, session.gap_ms, session.hit_rate)
+        guessed = getattr(session.state, "ahead", None) is not None  # else the next forward is the guess: on its own it
+        # saves nothing (a Propose that finds no draft ahead feeds the last draft again), so only if it ends in time
+        return not forward_pays((now - session.answered_at) * 1e3, self._ahead_forward_ms, session.gap_ms,
+                                session.hit_rate if guessed else None)
 
     # engine-thread work
     def _run_batch(self, calls: Sequence[ProposeCall]) -> list:

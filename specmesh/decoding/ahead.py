@@ -9,7 +9,9 @@ to its next call). One that would still run then is started only where the guess
 hit the call needs that forward anyway, and the part of it done before the call is saved; on a miss
 the call waits for the rest of it. So it starts when hit_rate x (part done before) >= (1 - hit_rate)
 x (the rest), the hit rate being the session's moving average of whether the verdict was the guess.
-Until the times are measured, draft ahead; until a guess has been judged, only what ends in time.
+Until the times are measured, draft ahead; until a guess has been judged, only what ends in time. The
+guess forward itself saves nothing unless a draft ahead follows it, so it is only started in time
+(its callers pass no hit rate for it).
 
     >>> forward_pays(elapsed_ms=10.0, forward_ms=30.0, gap_ms=50.0)
     True

@@ -131,22 +131,27 @@ class AheadRun:
         self.batcher.add(self)
 
     def forward_ms(self) -> float:
-        return self.batcher.draft.cost.forward_ms(1, 2 if self.forwards == 1 else 1, self.context + self.forwards - 1)
+        """The guess forward feeds the last draft; the first draft ahead feeds [last draft, guess] again,
+        or the guess alone where the engine's steps equal its chains (the guess forward's KV stays)."""
+        draft = self.batcher.draft
+        tokens = 2 if self.forwards == 1 and not draft.steps_equal_chains else 1
+        return draft.cost.forward_ms(1, tokens, self.context + self.forwards - 1)
 
     def wants(self, now_s: float) -> bool:
         return (not self.stopped and self.forwards < self.k + 1
-                and forward_pays((now_s - self.answered_s) * 1e3, self.forward_ms(), self.gap_ms, self.hit_rate))
+                and forward_pays((now_s - self.answered_s) * 1e3, self.forward_ms(), self.gap_ms,
+                                 self.hit_rate if self.forwards else None))  # the guess forward: only what ends in time
 
     def on_propose(self, env: simpy.Environment, k: int, hit: bool):
         """At the next Propose: how many of its k drafts were drafted ahead (0 unless the guess held)."""
         if self.stopped:
             return 0
         self.gap_ms = moving_average(self.gap_ms, (env.now - self.answered_s) * 1e3)
-        if self.forwards >= 1:  # a guess was made: judged now
-            self.hit_rate = moving_average(self.hit_rate, float(hit))
         self.stopped = True
         if self.in_flight is not None:  # the forward under way ends first (the engine runs one job at a time)
             yield self.in_flight
+        if self.forwards >= 1:  # a guess was made: judged now
+            self.hit_rate = moving_average(self.hit_rate, float(hit))
         return min(k, self.forwards - 1) if hit and self.forwards > 1 else 0
 
 
@@ -180,7 +185,8 @@ class AheadBatcher:
                 continue
             runs = [(run, run.generation) for run in self.runs]
             rows = len(runs)
-            fed = sum(2 if run.forwards == 1 else 1 for run, _ in runs) / rows
+            first = 1 if self.draft.steps_equal_chains else 2  # the first draft ahead (`AheadRun.forward_ms`)
+            fed = sum(first if run.forwards == 1 else 1 for run, _ in runs) / rows
             context = sum(run.context + run.forwards for run, _ in runs) / rows
             job = self.draft.run_job(self.draft.cost.forward_ms(rows, fed, context) / 1e3)
             for run, _ in runs:
@@ -239,6 +245,7 @@ class Simulation:
                     drafter = DraftServer(self.env, name, cost, self.window, dgroup.max_batch_sessions, dgroup.batch_window_ms,
                                           self._engine(name, dgroup.host, dgroup.threads))
                     drafter.engine_s_per_call = dgroup.engine_ms_per_call / 1e3
+                    drafter.steps_equal_chains = dgroup.steps_equal_chains
                     self.drafts.append((drafter, self._link(name, dgroup.node)))
                     self._add_rpc_thread(name, dgroup.host, dgroup.cpu_ms_per_call)
                     draft_replicas.append(Replica(name, weight=dgroup.weight))

@@ -77,6 +77,9 @@ class DraftGroup:
     batch_window_ms: float = 2.0  # DraftOptions.batch_window_ms
     cpu_ms_per_call: float = 0.0  # as for targets
     engine_ms_per_call: float = 0.0  # as for targets, per Propose call
+    # its engine's steps equal its chains bit for bit (`NativeEngine.steps_equal_chains`: the CPU fast path), so
+    # drafting ahead keeps the guess forward's KV and the first draft ahead feeds one token, not two
+    steps_equal_chains: bool = False
 
 
 @dataclass

@@ -399,6 +399,7 @@ class DraftServer(BatchingServer):
                  batch_window_ms: float, engine: Engine | None = None):
         super().__init__(env, name, window, max_batch_sessions, batch_window_ms, engine)
         self.cost = cost
+        self.steps_equal_chains = False  # drafting ahead: see `DraftGroup.steps_equal_chains`
 
     def propose(self, num_fed_tokens: int, k: int, context: int) -> simpy.Event:
         return self.submit(1, (num_fed_tokens, k, context))

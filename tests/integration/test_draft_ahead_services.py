@@ -6,6 +6,7 @@ served, and closing sessions leaves no KV behind."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from service_helpers import target_only_greedy, wait_for
@@ -115,6 +116,8 @@ def test_a_forward_ahead_that_would_delay_the_next_call_starts_only_where_guesse
         assert not servicer._due(session, 100.010)  # 10 ms in, a 30 ms forward ends before the call at 50 ms
         assert servicer._due(session, 100.025)  # 25 ms in it would not
         session.hit_rate = 0.9
+        assert servicer._due(session, 100.025)  # the guess forward (no guess yet): only if it ends in time
+        session.state = SimpleNamespace(ahead=object())  # a guess made: the next forward drafts ahead
         assert not servicer._due(session, 100.025)  # 25 ms saved 9 times in 10, 5 ms lost once
         session.hit_rate = 0.8
         assert servicer._due(session, 100.045)  # 5 ms saved 8 times in 10, 25 lost twice

@@ -467,3 +467,22 @@ def test_no_forward_ahead_outlasts_the_verify_round():
 def test_drafting_ahead_with_a_trace_needs_a_guess_rate():
     with pytest.raises(ValueError, match="guess_rate"):
         config_from_dict(base_config(speculation={"k": 3, "acceptance_trace": [3, 1], "draft_ahead": True}))
+
+
+def test_the_first_draft_ahead_feeds_one_token_where_the_draft_engines_steps_equal_its_chains():
+    """`drafts[].steps_equal_chains`: the guess forward's KV stays, so the first draft ahead feeds the
+    guess alone (1 token), as the Draft service does on the CPU fast path; else [last draft, guess]."""
+    from types import SimpleNamespace
+
+    from specmesh.sim.cluster import AheadRun
+
+    class PerToken:
+        def forward_ms(self, rows, tokens, context):
+            return 10.0 * tokens
+
+    draft = SimpleNamespace(cost=PerToken(), steps_equal_chains=False)
+    run = AheadRun(SimpleNamespace(draft=draft))
+    assert [run.forward_ms() for run.forwards in (0, 1, 2)] == [10.0, 20.0, 10.0]
+    draft.steps_equal_chains = True
+    assert [run.forward_ms() for run.forwards in (0, 1, 2)] == [10.0, 10.0, 10.0]
+    assert config_from_dict(base_config(drafts=[{"steps_equal_chains": True}])).drafts[0].steps_equal_chains
