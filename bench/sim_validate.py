@@ -220,6 +220,14 @@ def profile_tables(folder: str, threads: int, max_prompt: int, max_new: int, max
     return tables, cpu
 
 
+def steps_equal_chains(folder: str, dtype: str) -> bool:
+    """Whether the Draft service's engine (this model and dtype, here) keeps a guess forward's KV when it
+    drafts ahead (`NativeEngine.steps_equal_chains`); the simulated Draft server is told the same."""
+    from specmesh.models.load import load_engine
+
+    return bool(getattr(load_engine(folder, dtype=dtype), "steps_equal_chains", False))
+
+
 def even_round_counts(num_rounds: int, num_output_tokens: int, k: int) -> list[int]:
     """A request's accepted counts per round when only its rounds and length were recorded: the
     accepted total (each round emits accepted + 1 tokens after the prefill's first) spread evenly.
@@ -272,7 +280,8 @@ def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float
         "targets": [{"count": 1, "device": "target", "node": "host", "host": "localhost", "threads": threads,
                      "cpu_ms_per_call": per_call.get("verify", 0.0), "engine_ms_per_call": engine.get("verify", 0.0)}],
         "drafts": [{"count": 1, "device": "draft", "node": "host", "host": "localhost", "threads": threads,
-                    "cpu_ms_per_call": per_call.get("draft", 0.0), "engine_ms_per_call": engine.get("draft", 0.0)}],
+                    "cpu_ms_per_call": per_call.get("draft", 0.0), "engine_ms_per_call": engine.get("draft", 0.0),
+                    "steps_equal_chains": bool(out.get("draft_steps_equal_chains"))}],
         "hosts": {"localhost": {"cores": out["cores"], "background_threads": background_threads}},
         "network": {"coordinator_node": "host", "same_node": {"latency_ms": latency_ms}, "client": {"latency_ms": latency_ms}},
         **{name: {"host": "localhost", "cpu_ms_per_message": ms} for name, ms in (cpu_ms_per_message or {}).items()},
@@ -516,6 +525,8 @@ def main() -> int:
             tables, out["profile_cpu"] = profile_tables(folder, args.threads, max(prompt_lengths), args.max_new_tokens,
                                                         max(args.concurrency), Path(tmp))
             out["tables"] = {role: json.loads(Path(path).read_text()) for role, path in tables.items()}
+        if args.draft_ahead:  # how the live Draft service drafts ahead (the first draft ahead feeds 1 or 2 tokens)
+            out["draft_steps_equal_chains"] = steps_equal_chains(folder, "bfloat16")
         RESULTS.mkdir(parents=True, exist_ok=True)
         common = {"model": folder, "port": 0, "torch_threads": args.threads, "metrics_port": 0}
         cluster_yaml = Path(tmp) / "cluster.yaml"
