@@ -336,9 +336,11 @@ def test_run_streams_the_sessions_rounds_and_a_cancel_frees_it(cluster, models):
             assert all(r.result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
             if not draft:
                 assert all(r.num_draft_tokens == 0 for r in responses) and len(responses) == len(plain) - 1
-            else:
+            elif k:  # a fixed k drafts every round, up to k
                 assert sum(r.num_draft_tokens for r in responses) > 0
-                assert k == 0 or max(r.num_draft_tokens for r in responses) <= k
+                assert max(r.num_draft_tokens for r in responses) <= k
+            # an adaptive k drafts what its costs say pays: the service's fitted forward cost (earlier tests' rounds
+            # on this module's services) prices the first draft, so on these tiny models it may draft nothing
             # the session has finished: no more rounds, by Run or Step
             again = verify_pb2.RunRequest(session_id=session_id)
             assert _code(lambda: list(stub.Run(again))) == grpc.StatusCode.FAILED_PRECONDITION  # noqa: B023
