@@ -40,7 +40,7 @@ from specmesh.cascade.chunk_stopping import ChunkStopping
 from specmesh.cascade.plan import CascadeBook, StageCall, StageSpec, StageStats, stage_seed
 from specmesh.cascade.policy import AdaptiveStopper
 from specmesh.cascade.stage_model import StageOutput
-from specmesh.decoding.async_driver import AsyncDrafter
+from specmesh.decoding.async_driver import AsyncDrafter, CostReporter
 from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator, resolve_seed
 from specmesh.decoding.state import draft_seed
@@ -271,8 +271,9 @@ class AsyncCascadeDrafter:
         an n-gram base, or none). A floor of a cascade token's cost (the stages add theirs per round),
         which rounds then measure; without it the first round, which also prefills the prompt on every
         level, stands for a draft token's cost and keeps the cascade at k = 0 for the rest of a request."""
-        reporter = getattr(self.base, "opened_ms_per_token", None)
-        return reporter(state.base) if reporter is not None and state.base is not None else None
+        if not isinstance(self.base, CostReporter) or state.base is None:
+            return None
+        return self.base.opened_ms_per_token(state.base)
 
     async def propose(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         book = state.book

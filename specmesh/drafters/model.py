@@ -149,7 +149,7 @@ class ModelDrafter:
         for state, tokens in zip(states, accepted):
             ahead = state.ahead
             state.guess_held = None if ahead is None else list(map(int, tokens)) == [*state.last_drafts, ahead.guess]
-        hits = [self._ahead_hit(s, tokens, k) for s, tokens, k in zip(states, accepted, max_tokens)]
+        hits = [self._ahead_hit(s, k) for s, k in zip(states, max_tokens)]
         for state, tokens, generator, hit in zip(states, accepted, generators, hits):
             if hit:  # _take_ahead moves the KV and pending below
                 state.num_tokens += len(tokens)
@@ -245,11 +245,12 @@ class ModelDrafter:
         if ahead.before is not None:
             generator.set_state(ahead.before)
 
-    def _ahead_hit(self, state: ModelDraftState, accepted: Sequence[int], max_tokens: int) -> bool:
-        """The target accepted every draft and emitted the guess, and there are drafts ahead to serve."""
+    def _ahead_hit(self, state: ModelDraftState, max_tokens: int) -> bool:
+        """The target accepted every draft and emitted the guess (`guess_held`, set for this call), and there
+        are drafts ahead to serve."""
         ahead = state.ahead
-        return (ahead is not None and bool(ahead.tokens) and max_tokens > 0 and ahead.transform is self.q_transform
-                and list(map(int, accepted)) == [*state.last_drafts, ahead.guess])
+        return (bool(state.guess_held) and ahead is not None and bool(ahead.tokens) and max_tokens > 0
+                and ahead.transform is self.q_transform)
 
     def _take_ahead(self, state: ModelDraftState, generator: torch.Generator, limit: int) -> tuple[list[int], list]:
         """On a hit (the context already counts the accepted tokens): the first drafts ahead become this

@@ -130,12 +130,14 @@ class AheadRun:
         self.generation += 1
         self.batcher.add(self)
 
+    def fed_tokens(self) -> int:
+        """What its next forward feeds: the guess forward the last draft; the first draft ahead [last draft,
+        guess] again, or the guess alone where the engine's steps equal its chains (the guess forward's KV
+        stays); each later one the draft before it."""
+        return 2 if self.forwards == 1 and not self.batcher.draft.steps_equal_chains else 1
+
     def forward_ms(self) -> float:
-        """The guess forward feeds the last draft; the first draft ahead feeds [last draft, guess] again,
-        or the guess alone where the engine's steps equal its chains (the guess forward's KV stays)."""
-        draft = self.batcher.draft
-        tokens = 2 if self.forwards == 1 and not draft.steps_equal_chains else 1
-        return draft.cost.forward_ms(1, tokens, self.context + self.forwards - 1)
+        return self.batcher.draft.cost.forward_ms(1, self.fed_tokens(), self.context + self.forwards - 1)
 
     def wants(self, now_s: float) -> bool:
         return (not self.stopped and self.forwards < self.k + 1
@@ -185,8 +187,7 @@ class AheadBatcher:
                 continue
             runs = [(run, run.generation) for run in self.runs]
             rows = len(runs)
-            first = 1 if self.draft.steps_equal_chains else 2  # the first draft ahead (`AheadRun.forward_ms`)
-            fed = sum(first if run.forwards == 1 else 1 for run, _ in runs) / rows
+            fed = sum(run.fed_tokens() for run, _ in runs) / rows
             context = sum(run.context + run.forwards for run, _ in runs) / rows
             job = self.draft.run_job(self.draft.cost.forward_ms(rows, fed, context) / 1e3)
             for run, _ in runs:
