@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from cluster import PROMPTS as CLUSTER_PROMPTS  # noqa: E402
+from cluster import through_cluster  # noqa: E402
 
 from client.cluster import Cluster, load_cluster_config  # noqa: E402
-from servicekit.channels import open_channel  # noqa: E402
-from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
+from specmesh.proto.v1 import coordinator_pb2  # noqa: E402
 
 CONFIG = ROOT / "configs" / "local-cascade.yaml"
 SPEC, AR = coordinator_pb2.GENERATION_MODE_SPECULATIVE, coordinator_pb2.GENERATION_MODE_AUTOREGRESSIVE
@@ -57,23 +57,8 @@ REFERENCE = "autoregressive"
 
 
 async def one(address: str, prompt: str, mode: int, cascade: str, lam: float | None, max_new_tokens: int) -> dict:
-    request = coordinator_pb2.GenerateRequest(
-        chat=coordinator_pb2.ChatMessages(messages=[coordinator_pb2.ChatMessage(role="user", content=prompt)]),
-        mode=mode, drafter="service" if mode == SPEC else "", cascade=cascade,
-        sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
-    if lam is not None:
-        request.cascade_lambda = lam
-    tokens, stats = [], None
-    async with open_channel(address) as channel:
-        start = time.perf_counter()
-        async for response in coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=600):
-            tokens += response.token_ids
-            if response.HasField("stats"):
-                stats = response.stats
-        wall = time.perf_counter() - start
-    assert stats is not None
-    return {"tokens": list(tokens), "wall_s": wall, "drafted": stats.num_draft_tokens, "accepted": stats.num_accepted_tokens,
-            "target_forwards": stats.num_target_forwards}
+    return await through_cluster(address, prompt, mode, "service" if mode == SPEC else "", max_new_tokens,
+                                 cascade=cascade, cascade_lambda=lam)
 
 
 def agreement(tokens: list[int], reference: list[int]) -> float:

@@ -87,11 +87,16 @@ def cluster_config(folder: str) -> dict:
     }}
 
 
-async def through_cluster(address: str, prompt: str, mode: int, drafter: str, max_new_tokens: int, k: int = 0) -> dict:
+async def through_cluster(address: str, prompt: str, mode: int, drafter: str, max_new_tokens: int, k: int = 0, *,
+                          cascade: str = "", cascade_lambda: float | None = None) -> dict:
+    """One greedy chat request through the Coordinator at `address`, streamed to its end: its tokens, wall
+    time and the final stats' round figures. `cascade` / `cascade_lambda`: the request's cascade fields."""
     request = coordinator_pb2.GenerateRequest(
         chat=coordinator_pb2.ChatMessages(messages=[coordinator_pb2.ChatMessage(role="user", content=prompt)]),
-        mode=mode, drafter=drafter, num_draft_tokens=k,
+        mode=mode, drafter=drafter, num_draft_tokens=k, cascade=cascade,
         sampling=common_pb2.SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
+    if cascade_lambda is not None:
+        request.cascade_lambda = cascade_lambda
     async with channel(address) as ch:
         start = time.perf_counter()
         tokens, stats = [], None
