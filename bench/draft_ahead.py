@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from cluster import PROMPTS, in_process, through_cluster  # noqa: E402
 
-from client.cluster import Cluster  # noqa: E402
+from client.cluster import Cluster, free_ports  # noqa: E402
 from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
 from specmesh.drafters.model import ModelDrafter  # noqa: E402
 from specmesh.models.chat import chat_prompt_ids  # noqa: E402
@@ -56,14 +55,8 @@ ROWS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def config(folder: str) -> dict:
-    plain, ahead, verify = (free_port() for _ in range(3))
+    plain, ahead, verify = free_ports(3)
     draft = {"kind": "draft", "drafter": "model", "dtype": "bfloat16", "model": folder, "cpus": "0"}
     links = {"kind": "coordinator", "port": 0, "model": folder, "verify_addresses": f"127.0.0.1:{verify}"}
     return {"defaults": {"device": "cpu", "host": "127.0.0.1"}, "services": {

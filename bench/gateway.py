@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from client.cluster import free_port, wait_serving  # noqa: E402
+from client.cluster import free_ports, wait_serving  # noqa: E402
 from gateway.health import wait_healthy  # noqa: E402 - the package at the root, not this script
 from servicekit.channels import open_channel  # noqa: E402
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
@@ -69,9 +69,9 @@ class Processes:
         self.log_dir = Path(tempfile.mkdtemp(prefix="specmesh-bench-gateway-"))
         self.procs: list[subprocess.Popen] = []
         self.pids: dict[str, int] = {}
-        self.verify = f"127.0.0.1:{free_port()}"
-        self.coordinator = f"127.0.0.1:{free_port()}"
-        self.gateway_port = free_port()
+        verify_port, coordinator_port, self.gateway_port = free_ports(3)
+        self.verify = f"127.0.0.1:{verify_port}"
+        self.coordinator = f"127.0.0.1:{coordinator_port}"
         self.url = f"http://127.0.0.1:{self.gateway_port}"
         deadline = time.monotonic() + START_TIMEOUT_S
         verify = self._start("verify", ["target_service", "--model", model, "--port", self.verify.split(":")[1]], threads=0)

@@ -31,6 +31,7 @@ worse: 1.47-1.76.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -54,16 +55,24 @@ from specmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
 MODEL_KINDS = ("draft", "verify", "stage")  # processes that run forwards
 SHARED_CORES_SPINCOUNT = "20000"  # GOMP_SPINCOUNT of model processes sharing the host (module docstring)
 
-__all__ = ["Cluster", "ServiceSpec", "free_port", "load_cluster_config", "wait_serving"]
+__all__ = ["Cluster", "ServiceSpec", "free_port", "free_ports", "load_cluster_config", "wait_serving"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_PROMPT = "Explain how a rainbow forms."
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free ports: every socket stays bound until all are picked, since the kernel
+    may hand a just-closed port out again (and gRPC servers would then share it, see server_options)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def wait_serving(address: str, deadline_s: float, process: subprocess.Popen | None = None, tls_cert: str = "", *,
@@ -194,11 +203,11 @@ class Cluster:
         each is SERVING and each coordinator sees all its replicas healthy."""
         deadline_s = time.monotonic() + timeout_s
         try:
-            for spec in self.specs:  # ports picked here, so they can be printed and passed on
-                if not spec.options.get("port"):
-                    spec.options["port"] = free_port()
-                if int(spec.options.get("metrics_port", -1)) == 0:
-                    spec.options["metrics_port"] = free_port()
+            # ports picked here, all at once so no two are the same, and printed and passed on
+            wanted = [(spec, "port") for spec in self.specs if not spec.options.get("port")]
+            wanted += [(spec, "metrics_port") for spec in self.specs if int(spec.options.get("metrics_port", -1)) == 0]
+            for (spec, key), port in zip(wanted, free_ports(len(wanted)), strict=True):
+                spec.options[key] = port
             link_coordinators(self.specs)
             for spec in self.specs:
                 self._launch(spec)

@@ -107,8 +107,11 @@ class ServiceHandle:
 
 
 def server_options(max_message_mb: int) -> list[tuple[str, int]]:
+    """Message limits; and no SO_REUSEPORT (gRPC's default on Linux), so a port another server holds is
+    a bind error, not two servers answering on one port, each for some of the connections."""
     limit = max_message_mb * 1024 * 1024
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
+            ("grpc.so_reuseport", 0)]
 
 
 def token_request_bytes(max_context: int) -> int:
@@ -310,9 +313,12 @@ async def start_service(
     if options.reflection:
         add_reflection(server, [*names, health.SERVICE_NAME])
     address = f"{options.host}:{options.port}"
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpc's own words only point at GRPC_VERBOSITY
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind {address}")
+        raise OSError(f"could not bind {address}: the port is in use or the host is not this machine's")
     await server.start()
     for name in ["", *names]:  # the model is loaded before start_service: serving right away
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from service_helpers import wait_for
 
-from client.cluster import wait_serving
+from client.cluster import free_ports, wait_serving
 from servicekit.auth import AuthPolicy, current_principal, load_tokens
 from servicekit.background import BackgroundServices
 from servicekit.channels import open_channel
@@ -472,3 +472,19 @@ def test_sigterm_drains_the_service_process(target, ending):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# --- 8. ports -----------------------------------------------------------------------------------------
+
+def test_a_port_another_service_holds_is_a_bind_error_not_a_shared_port(services):
+    """gRPC binds with SO_REUSEPORT by default on Linux: a second service on a taken port would start,
+    and the two would split the connections (a launcher that picked one port twice served that way)."""
+    _, address = services["echo_tokens"]
+    taken = int(address.rsplit(":", 1)[1])
+    with BackgroundServices() as background, pytest.raises(OSError, match=f"could not bind 127.0.0.1:{taken}: the port is in use"):
+        background.start(_start_echo(ServerOptions(host="127.0.0.1", port=taken)))
+
+
+def test_free_ports_are_distinct_while_picked_together():
+    ports = free_ports(64)
+    assert len(set(ports)) == 64 and all(0 < p < 65536 for p in ports)
