@@ -276,10 +276,22 @@ class AdaptiveK:
         return expected_tokens(min(self.acceptance, 0.999), k) / (draft_ms + decode_ms * (1 + self.beta * k))
 
     def _best(self) -> int:
-        candidates = list(range(self.k_min, self.k_max + 1))
-        if self.allow_zero:
-            candidates.append(0)
-        return max(candidates, key=self.speed)
+        """The k of the highest `speed`: over k_min..k_max, the lowest on a tie, then 0 (when allowed)
+        only if strictly faster. One pass, E(k) summed as k grows: every round asks."""
+        decode_ms, draft_ms = self.decode_ms or 1.0, self.draft_ms_per_token or 0.0
+        acceptance = min(self.acceptance, 0.999)
+        best_k, best_speed = -1, float("-inf")
+        power, expected = 1.0, 1.0
+        for k in range(1, self.k_max + 1):
+            power *= acceptance
+            expected += power
+            if k >= self.k_min:
+                speed = expected / (draft_ms * k + decode_ms * (1 + self.beta * k))
+                if speed > best_speed:
+                    best_k, best_speed = k, speed
+        if self.allow_zero and (best_k < 0 or 1.0 / decode_ms > best_speed):
+            return 0
+        return best_k
 
     def _choose(self, last_k: int, outlook: Outlook | None = None) -> int:
         best = self._best()

@@ -1,5 +1,7 @@
 """Adaptive k: the worked example of the docstring, the fall back to plain decoding, and probing."""
 
+import random
+
 import pytest
 
 from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, LinearCostFit, Outlook, expected_tokens
@@ -18,6 +20,22 @@ def test_docstring_worked_example_picks_k4():
     assert policy.speed(0) == pytest.approx(0.1)
     assert policy.speed(4) == pytest.approx(3.3616 / 18)
     assert policy._choose(last_k=4) == 4
+
+
+def test_the_one_pass_choice_is_the_argmax_of_speed():
+    """`_best` sums E(k) as k grows, in one pass; its k is one of the fastest by `speed`."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        k_min = rng.choice([1, 2, 3])
+        policy = AdaptiveK(k_min=k_min, k_init=k_min, k_max=rng.choice([3, 8, 16]), allow_zero=rng.random() < 0.8)
+        policy.acceptance = rng.choice([0.0, 0.05, 0.5, 0.9, 1.0, rng.random()])
+        policy.draft_ms_per_token = rng.choice([None, 0.0, rng.uniform(0.01, 20)])
+        policy.decode_ms = rng.choice([None, rng.uniform(1, 40)])
+        policy.beta = rng.choice([0.0, 0.1, rng.uniform(0, 0.5)])
+        candidates = [*range(policy.k_min, policy.k_max + 1), *([0] if policy.allow_zero else [])]
+        speeds = {k: policy.speed(k) for k in candidates}
+        best = policy._best()
+        assert speeds[best] == pytest.approx(max(speeds.values()), rel=1e-12)
 
 
 def test_useless_drafts_fall_back_to_plain_decoding_then_probe():
