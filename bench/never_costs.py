@@ -1,19 +1,22 @@
 """Speculation never costs: speculative decoding against our own plain decoding, prompt by prompt, on
 prompts the draft gate, the plain stretches and the adaptive k policy were never tuned on.
 
-    .venv/bin/python bench/never_costs.py [--runs 3] [--max-new-tokens 64] [--threads 2] [--quick]
+    .venv/bin/python bench/never_costs.py [--runs 3] [--interleave rounds|requests] [--max-new-tokens 64] [--quick]
 
 Default model (SmolLM2-135M-Instruct), greedy, EOS ignored (every run makes --max-new-tokens tokens),
 time including the prefill, one process, the machine's threads. The prompts are
 bench/prompts/held_out.json, a set kept apart for this bench (its "about" says so). Per target:
     fp32 target      plain | n-gram drafts (prompt lookup) | bf16 self-draft | int8 self-draft (dynamic)
     Q4_1 target      plain | n-gram drafts                  (the GGUF's own blocks, quantize="gguf")
-every speculative method with the adaptive k policy and the draft gate, as a user's request runs.
-Methods alternate prompt by prompt (the order reverses every run); per prompt the median tok/s over
---runs, and speculative / plain of the same target as the median over runs of the run's own ratio (each
-run's two timings are taken minutes apart at most, so the machine's drift cancels). The report also gives
-plain decoding's spread from run to run per prompt: the noise a ratio carries. The goal (issue 30):
->= 0.97x on every prompt.
+every speculative method with the adaptive k policy and the draft gate, as a user's request runs, and
+plain decoding a second time (A/A): its ratio to the first is the bench's own noise.
+--interleave rounds (the default): a prompt's requests on one target run together, one event (the
+prefill, or a round: drafting, verifying, closing) of each in turn, and each request's time is the sum
+of its own events, so all of them see the machine's speed of the same moments; requests: one whole
+request after another, methods alternating (this shared VM drifts by 30% between two such requests).
+Per prompt the median tok/s over --runs, and speculative / plain of the same target as the median over
+runs of the run's own ratio. The report also gives plain decoding's spread from run to run per prompt.
+The goal (issue 30): >= 0.97x on every prompt.
 Every method's tokens must equal plain decoding's (greedy exactness); a mismatch is reported.
 Writes bench/results/never_costs.{json,md}.
 """
@@ -27,6 +30,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine import cpu_model  # noqa: E402
 from specmesh.decoding.adaptive import AdaptiveK  # noqa: E402
 from specmesh.decoding.sampling import SamplingParams  # noqa: E402
-from specmesh.decoding.speculative import generate  # noqa: E402
+from specmesh.decoding.speculative import generate, speculative_stream  # noqa: E402
+from specmesh.decoding.state import StepEvent  # noqa: E402
 from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
 from specmesh.drafters.model import ModelDrafter  # noqa: E402
 from specmesh.drafters.ngram import PromptLookupDrafter  # noqa: E402
@@ -57,6 +62,9 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--quick", action="store_true", help="3 prompts, 1 run, 24 tokens (smoke run)")
+    parser.add_argument("--interleave", choices=("rounds", "requests"), default="rounds",
+                        help="rounds: a prompt's methods run together, one round of each in turn, each timed on its own "
+                        "steps (the default: the machine's drift cancels); requests: one whole request after another")
     parser.add_argument("--note", default="", help="a line for the report (e.g. the machine's load)")
     parser.add_argument("--q4-runs", type=int, default=None, help="runs of the Q4_1 methods (default: --runs; fewer "
                         "where its kernel is slow, e.g. a build without the AVX2 or AVX-512 paths)")
@@ -82,6 +90,7 @@ def main() -> int:
     targets = {"fp32": TargetVerifier(fp32), "Q4_1": TargetVerifier(q4)}
     methods = {  # name -> (target, drafter factory or None)
         "fp32 plain": ("fp32", None),
+        "fp32 plain, again (A/A)": ("fp32", None),  # plain against itself: the bench's own noise
         "fp32 n-gram": ("fp32", lambda: PromptLookupDrafter(min_n=1, max_n=4)),
         "fp32 bf16 self-draft": ("fp32", lambda: ModelDrafter(bf16)),
         "fp32 int8 self-draft": ("fp32", lambda: ModelDrafter(int8)),
@@ -100,15 +109,21 @@ def main() -> int:
         for index, prompt_ids in enumerate(ids):
             order = [n for n in methods if run < (args.q4_runs if methods[n][0] == "Q4_1" else args.runs)]
             order = order if (run + index) % 2 == 0 else order[::-1]
+            streams = {name: speculative_stream(targets[methods[name][0]], methods[name][1]() if methods[name][1] else None,
+                                                prompt_ids, q4_params if methods[name][0] == "Q4_1" else params,
+                                                k_policy=AdaptiveK() if methods[name][1] else None)
+                       for name in order}
+            if args.interleave == "rounds":  # each target's methods together: one engine's weights in use at a time
+                timed = {name: result for target in dict.fromkeys(methods[n][0] for n in order)
+                         for name, result in lockstep({n: streams[n] for n in order if methods[n][0] == target}).items()}
+            else:
+                timed = {name: one_by_one(stream) for name, stream in streams.items()}
             for name in order:
-                target, make = methods[name]
-                start = time.perf_counter()
-                result = generate(targets[target], make() if make else None, prompt_ids,
-                                  q4_params if target == "Q4_1" else params, k_policy=AdaptiveK() if make else None)
-                seconds = time.perf_counter() - start
-                s = result.stats
-                runs.append(dict(run=run, prompt=index, method=name, target=target, tokens=result.token_ids,
-                                 tokens_per_s=len(result.token_ids) / seconds, num_drafts=s.num_drafts,
+                events, seconds = timed[name]
+                s = events[-1].stats
+                tokens = [t for event in events for t in event.token_ids]
+                runs.append(dict(run=run, prompt=index, method=name, target=methods[name][0], tokens=tokens,
+                                 tokens_per_s=len(tokens) / seconds, num_drafts=s.num_drafts,
                                  num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
                                  num_withheld_drafts=s.num_withheld_drafts, num_target_forwards=s.num_target_forwards))
             line = ", ".join(f"{r['method']} {r['tokens_per_s']:.1f}" for r in runs[-len(order):])
@@ -117,10 +132,11 @@ def main() -> int:
     summary = summarize(runs, methods, len(ids))
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=platform.machine(),
                 cpu=cpu_model(), cpus=os.cpu_count(), torch=torch.__version__, threads=torch.get_num_threads(),
-                max_new_tokens=args.max_new_tokens, runs=args.runs, num_prompts=len(ids), note=args.note,
+                max_new_tokens=args.max_new_tokens, runs=args.runs, interleave=args.interleave, num_prompts=len(ids), note=args.note,
                 q4_runs=args.q4_runs, q4_tokens=args.q4_tokens,
                 command="python bench/never_costs.py" + (" --quick" if args.quick else "")
                         + (f" --runs {args.runs}" if args.runs != 3 and not args.quick else "")
+                        + (f" --interleave {args.interleave}" if args.interleave != "rounds" else "")
                         + (f" --q4-runs {args.q4_runs}" if args.q4_runs != args.runs and not args.quick else "")
                         + (f" --q4-tokens {args.q4_tokens}" if args.q4_tokens != args.max_new_tokens and not args.quick else "")
                         + (f" --max-new-tokens {args.max_new_tokens}" if args.max_new_tokens != 64 and not args.quick else ""))
@@ -131,6 +147,35 @@ def main() -> int:
     (RESULTS / "never_costs.md").write_text(report)
     print(report)
     return 0
+
+
+def one_by_one(stream: Iterator[StepEvent]) -> tuple[list[StepEvent], float]:
+    """A request's events and its wall time, run to the end on its own."""
+    start = time.perf_counter()
+    events = list(stream)
+    return events, time.perf_counter() - start
+
+
+def lockstep(streams: dict[str, Iterator[StepEvent]]) -> dict[str, tuple[list[StepEvent], float]]:
+    """Every request's events and its own time: the streams advanced one event (a prefill or a round,
+    drafting, verifying and closing included) at a time, in turn, the turn's order reversed every
+    cycle; each request's time is the sum of its own steps. The methods of a prompt so share the
+    machine's moment to moment speed (this shared VM drifts by 30% within a minute), and a ratio of two
+    carries their difference, not the drift between two requests run one after the other."""
+    events: dict[str, list[StepEvent]] = {name: [] for name in streams}
+    spent = dict.fromkeys(streams, 0.0)
+    running = list(streams)
+    while running:
+        for name in list(running):
+            start = time.perf_counter()
+            event = next(streams[name], None)
+            spent[name] += time.perf_counter() - start
+            if event is None:
+                running.remove(name)
+            else:
+                events[name].append(event)
+        running.reverse()
+    return {name: (events[name], spent[name]) for name in streams}
 
 
 def summarize(runs: list[dict], methods: dict, num_prompts: int) -> dict:
@@ -180,8 +225,11 @@ def render(meta: dict, summary: dict, prompts: list[str]) -> str:
     q4 = ("" if (meta["q4_runs"], meta["q4_tokens"]) == (meta["runs"], meta["max_new_tokens"])
           else f" (the Q4_1 target: {meta['q4_tokens']} tokens, {meta['q4_runs']} run(s))")
     lines += [f"Default model (SmolLM2-135M-Instruct), greedy, {meta['max_new_tokens']} new tokens (EOS ignored), time "
-              f"including the prefill, {meta['runs']} runs per prompt{q4}, methods alternating prompt by prompt. "
-              f"The {meta['num_prompts']} prompts are bench/prompts/held_out.json: the draft gate, the plain stretches "
+              f"including the prefill, {meta['runs']} runs per prompt{q4}, "
+              + ("a prompt's requests on one target run together, one event (prefill or round) of each in turn, each "
+                 "timed on its own events, so all see the machine's speed of the same moments. "
+                 if meta.get("interleave", "requests") == "rounds" else "methods alternating prompt by prompt. ")
+              + f"The {meta['num_prompts']} prompts are bench/prompts/held_out.json: the draft gate, the plain stretches "
               "and the adaptive k policy were never tuned on them. Every speculative method runs the adaptive k "
               f"policy with the draft gate, as a user's request does. Goal: >= {summary['goal']}x plain decoding of "
               "the same target on every prompt.", "",
