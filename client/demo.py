@@ -2,13 +2,13 @@
 
 1. In-process speculative decoding, streamed: a chat answer drafted by the target's own weights in
    bf16, and a passage rewrite drafted by prompt lookup; each followed by its stats and by plain
-   decoding of the same prompt, measured there and then (speedup, and the exactness check). The
-   figures the cluster is compared with are medians of TIMED_RUNS runs (the first one streamed), as
-   are the cluster's: one run is too noisy a figure on a shared machine.
+   decoding of the same prompt, measured there and then (speedup, and the exactness check): medians
+   of TIMED_RUNS runs (the first one streamed), as one run is too noisy a figure on a shared machine.
 2. Through the Coordinator: the local cluster (configs/local.yaml: Draft, Verify and Coordinator,
    each its own process, on free loopback ports) is started, the same two prompts are streamed
-   through the Coordinator with the `specmesh` client library, their stats and the coordinator's
-   totals are printed beside the in-process figures, and the cluster is stopped.
+   through the Coordinator with the `specmesh` client library, and each is timed in TIMED_RUNS pairs:
+   the same request in-process and through the cluster back to back, so a ratio's two sides see the
+   machine's speed of one moment. Then the coordinator's totals, and the cluster is stopped.
 3. Skeleton-of-Thought through the same Coordinator: a 4-point plan (forced whole: the 135M model
    copies the prompt's example plan when left alone), its branches forked from the plan's session
    and decoded side by side, in the one-sequence layout and in the batching layout; the two merged
@@ -91,7 +91,12 @@ def _timed(fn):
     return value, time.perf_counter() - start
 
 
-async def _through_the_coordinator(address: str, runs: list[Run]) -> None:
+def _in_process_s(generator, run: Run) -> float:
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    return _timed(lambda: "".join(generator.stream_text(run.prompt, params, drafter=run.drafter)))[1]
+
+
+async def _through_the_coordinator(address: str, runs: list[Run], generator) -> None:
     from client.cli_common import printer, stats_line
     from client.coordinator_client import CoordinatorClient
 
@@ -109,13 +114,22 @@ async def _through_the_coordinator(address: str, runs: list[Run]) -> None:
             request = dict(mode="speculative", drafter=drafter, max_new_tokens=MAX_NEW_TOKENS)
             result = await client.collect(prompt, **request, on_text=printer())
             print(f"\n[through the coordinator, {drafter} drafts] {stats_line(result)}")
-            latencies = [result.latency_s] + [(await client.collect(prompt, **request)).latency_s for _ in range(TIMED_RUNS - 1)]
+            # timed in pairs, the same request in-process and through the cluster back to back (the order
+            # alternating), so both sides of a ratio see the same moment of a shared machine's speed
+            in_process_s, cluster_s = [], []
+            for repeat in range(TIMED_RUNS):
+                if repeat % 2:
+                    in_process_s.append(_in_process_s(generator, run))
+                cluster_s.append((await client.collect(prompt, **request)).latency_s)
+                if not repeat % 2:
+                    in_process_s.append(_in_process_s(generator, run))
             same = "identical" if result.text == run.text else "DIFFERENT"
-            latency_s = statistics.median(latencies)
-            cluster_tok_s = len(result.token_ids) / latency_s if latency_s else 0.0
-            ratio = run.tokens_per_s / cluster_tok_s if cluster_tok_s else float("inf")
-            print(f"  -> in-process {run.tokens_per_s:.1f} tok/s vs cluster {cluster_tok_s:.1f} tok/s (medians of {TIMED_RUNS} "
-                  f"runs each): the cluster takes {ratio:.2f}x the in-process wall time per token; output {same} to in-process")
+            num_tokens = len(result.token_ids)
+            ratio = statistics.median(c / i for c, i in zip(cluster_s, in_process_s, strict=True))
+            print(f"  -> in-process {num_tokens / statistics.median(in_process_s):.1f} tok/s vs cluster "
+                  f"{num_tokens / statistics.median(cluster_s):.1f} tok/s (medians of {TIMED_RUNS} pairs, each pair's "
+                  f"two requests back to back): the cluster takes {ratio:.2f}x the in-process wall time per token "
+                  f"(the median pair's); output {same} to in-process")
         stats = await client.stats()
         print(f"\ncoordinator totals: {stats.num_requests} requests, {stats.num_generated_tokens} tokens, acceptance "
               f"{stats.totals.acceptance_rate:.0%}, mean accepted length {stats.totals.mean_accepted_length:.2f}; replicas: "
@@ -143,7 +157,7 @@ def _through_the_gateway(address: str, run: Run) -> None:
           f"text {'identical' if text == run.text else 'DIFFERENT'} to in-process")
 
 
-def _cluster_section(runs: list[Run]) -> None:
+def _cluster_section(runs: list[Run], generator) -> None:
     from client.cluster import Cluster, load_cluster_config
 
     specs = load_cluster_config("configs/local.yaml")  # its placement as shipped: on a 2-core host the Draft service on
@@ -154,7 +168,7 @@ def _cluster_section(runs: list[Run]) -> None:
     start = time.perf_counter()
     with Cluster(specs) as cluster:
         print(f"  ready in {time.perf_counter() - start:.1f} s: {cluster.addresses}")
-        asyncio.run(_through_the_coordinator(cluster.addresses_of("coordinator")[0], runs))
+        asyncio.run(_through_the_coordinator(cluster.addresses_of("coordinator")[0], runs, generator))
         for gateway in cluster.addresses_of("gateway"):
             _through_the_gateway(gateway, runs[1])
         _section("3. Skeleton-of-Thought through the Coordinator: a plan, then its points decoded side by side")
@@ -219,7 +233,7 @@ def main() -> int:
     _speculative_vs_plain(LocalGenerator("default", drafter="ngram", quantize="gguf"), Run("q4_1", GROUNDED_PROMPT, "ngram"))
 
     _section("2. through the Coordinator: Draft, Verify and Coordinator as separate processes")
-    _cluster_section(runs)
+    _cluster_section(runs, generator)
     print("\nnext: `make run-cluster`, then `.venv/bin/specmesh generate \"...\"`, `specmesh chat`, `specmesh bench`")
     return 0
 
