@@ -44,13 +44,7 @@ class Run:
     label: str
     prompt: str
     drafter: str  # in-process drafter; the cluster's: "service" (the Draft service's bf16 self-draft) or "ngram"
-    text: str = ""
-    num_tokens: int = 0
-    wall_s: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_tokens / self.wall_s if self.wall_s else 0.0
+    text: str = ""  # the in-process answer, which the cluster's must equal
 
 
 def _section(title: str) -> None:
@@ -67,21 +61,19 @@ def _speculative_vs_plain(generator, run: Run, timed_runs: int = 1) -> None:
         print(delta, end="", flush=True)
     walls = [time.perf_counter() - start]
     spec_stats = generator.last_stats
-    run.num_tokens = spec_stats.num_generated_tokens
     print(f"\n[speculative, {run.drafter} drafts] {spec_stats.summary()}")
     print(f"  per-position acceptance: {[f'{a:.2f}' for a in spec_stats.per_position_acceptance()[:8]]}")
     for _ in range(timed_runs - 1):
-        walls.append(_timed(lambda: "".join(generator.stream_text(run.prompt, params, drafter=run.drafter)))[1])
+        walls.append(_in_process_s(generator, run))
     plain, plain_s = "", []
     for _ in range(timed_runs):
         plain, seconds = _timed(lambda: "".join(generator.stream_text(run.prompt, params, drafter="none")))
         plain_s.append(seconds)
     plain_stats = generator.last_stats
-    run.wall_s = statistics.median(walls)
     same = "identical" if plain == run.text else "DIFFERENT"
     print(f"[plain decoding] {plain_stats.summary()}")
     runs = f", medians of {timed_runs} runs" if timed_runs > 1 else ""
-    print(f"  -> speedup {statistics.median(plain_s) / run.wall_s:.2f}x wall time ({spec_stats.num_generated_tokens} tokens"
+    print(f"  -> speedup {statistics.median(plain_s) / statistics.median(walls):.2f}x wall time ({spec_stats.num_generated_tokens} tokens"
           f"{runs}); output {same} to plain decoding")
 
 
@@ -92,6 +84,7 @@ def _timed(fn):
 
 
 def _in_process_s(generator, run: Run) -> float:
+    """Wall time of the run's request in-process, with its drafter."""
     params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
     return _timed(lambda: "".join(generator.stream_text(run.prompt, params, drafter=run.drafter)))[1]
 
