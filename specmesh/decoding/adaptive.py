@@ -271,14 +271,15 @@ class AdaptiveK:
 
     def speed(self, k: int) -> float:
         """Expected tokens per ms at draft length k under the current estimates."""
-        decode_ms = self.decode_ms or 1.0
-        draft_ms = (self.draft_ms_per_token or 0.0) * k
-        return expected_tokens(min(self.acceptance, 0.999), k) / (draft_ms + decode_ms * (1 + self.beta * k))
+        return expected_tokens(min(self.acceptance, 0.999), k) / self._round_ms(k)
+
+    def _round_ms(self, k: int) -> float:
+        """Expected ms of a round at draft length k: its drafts, and a verify forward growing by beta a token."""
+        return (self.draft_ms_per_token or 0.0) * k + (self.decode_ms or 1.0) * (1 + self.beta * k)
 
     def _best(self) -> int:
         """The k of the highest `speed`: over k_min..k_max, the lowest on a tie, then 0 (when allowed)
         only if strictly faster. One pass, E(k) summed as k grows: every round asks."""
-        decode_ms, draft_ms = self.decode_ms or 1.0, self.draft_ms_per_token or 0.0
         acceptance = min(self.acceptance, 0.999)
         best_k, best_speed = -1, float("-inf")
         power, expected = 1.0, 1.0
@@ -286,10 +287,10 @@ class AdaptiveK:
             power *= acceptance
             expected += power
             if k >= self.k_min:
-                speed = expected / (draft_ms * k + decode_ms * (1 + self.beta * k))
+                speed = expected / self._round_ms(k)
                 if speed > best_speed:
                     best_k, best_speed = k, speed
-        if self.allow_zero and (best_k < 0 or 1.0 / decode_ms > best_speed):
+        if self.allow_zero and (best_k < 0 or 1.0 / self._round_ms(0) > best_speed):
             return 0
         return best_k
 
