@@ -44,12 +44,13 @@ class VerifyResult:
     cost: ForwardCost | None = None  # the service's fit of a forward's cost, when determined
 
 
-def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall]) -> list[VerifyResult | Exception]:
+def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall],
+                     plain_next: bool = False) -> list[VerifyResult | Exception]:
     """Engine thread: one verify_many forward for all calls (per-call retries if it fails), with the
-    verifier's fitted forward cost as this batch's share."""
+    verifier's fitted forward cost as this batch's share. `plain_next`: `TargetVerifier.verify_many`'s."""
     start = time.perf_counter()
     try:
-        outcomes = verifier.verify_many([c.session for c in calls], [c.proposal for c in calls])
+        outcomes = verifier.verify_many([c.session for c in calls], [c.proposal for c in calls], plain_next=plain_next)
     except Exception as batch_error:  # noqa: BLE001 - attributed below
         if len(calls) == 1:
             return [batch_error]

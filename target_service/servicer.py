@@ -337,8 +337,10 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                     return None
                 done += 1
                 proposal, kept, _ = self._prepare(session, DraftProposal(token_ids=[]), deterministic=True)
-                response = verify_pb2.RunResponse(
-                    result=self._recorded(request.session_id, session, proposal, kept, self._verify_alone(session.target)))
+                # this Run's next round, if any, is target-only too: its forward may be launched ahead
+                plain_next = session.round.max_draft_tokens > 0 and (not request.max_rounds or done < request.max_rounds)
+                response = verify_pb2.RunResponse(result=self._recorded(
+                    request.session_id, session, proposal, kept, self._verify_alone(session.target, plain_next)))
                 session.rounds.remember(request, response)
                 return response
 
@@ -505,7 +507,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                 if state.finished:
                     return None
                 state.next_k()
-                return _record(state, self._verify_alone(target))
+                return _record(state, self._verify_alone(target, plain_next=state.max_draft_tokens > 0))
 
             async def rounds():
                 yield response(state.start(target.pending_token_id, (time.perf_counter() - start) * 1e3))
@@ -535,10 +537,11 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             alone = self._generating == 1 and not self.num_sessions
         return self.solo_rounds and alone and not self.batcher.busy()
 
-    def _verify_alone(self, target: TargetSession) -> VerifyResult:
-        """Engine thread: a target-only round as a batch of one (the forward the batcher would run)."""
+    def _verify_alone(self, target: TargetSession, plain_next: bool = False) -> VerifyResult:
+        """Engine thread: a target-only round as a batch of one (the forward the batcher would run);
+        `plain_next`: the stream's next round is target-only too (`TargetVerifier.verify_many`)."""
         call = VerifyCall(target, DraftProposal(token_ids=[]))
-        result = run_verify_batch(self.verifier, [call])[0]
+        result = run_verify_batch(self.verifier, [call], plain_next)[0]
         if isinstance(result, Exception):
             raise result
         if self.batcher.on_batch is not None:

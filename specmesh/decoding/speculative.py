@@ -99,7 +99,8 @@ def speculative_stream(
                 yield state.record_unverified(proposal.token_ids, draft_ms)
                 continue
             start = time.perf_counter()
-            outcome = verifier.verify(session, proposal)
+            # with no drafter every round is plain: the next one's forward may be launched ahead (verifier.py)
+            outcome = verifier.verify(session, proposal, plain_next=drafter is None and state.max_draft_tokens > 0)
             verify_ms = (time.perf_counter() - start) * 1e3
             yield state.record(proposal.num_tokens, outcome.num_accepted, outcome.token_ids, draft_ms, verify_ms,
                                verifier.forward_cost())

@@ -30,6 +30,19 @@ Prompt of 10 tokens, chunks of 4:
     prefill_chunk(4):         forward [t0 t1 t2 t3]      cached 4, uncached t4..t9
     prefill_chunk(4):         forward [t4 t5 t6 t7]      cached 8, uncached t8 t9
     verify(empty proposal):   forward [t8 t9], sample    cached 9, pending = the first token
+
+Plain steps ahead (`plain_next`, on an engine whose forwards return before their kernels ran: CUDA).
+A caller whose session's next round is plain (no draft: plain decoding, a Verify service's target-only
+rounds) says so, and the verifier launches that next forward, [pending], before it returns this round:
+the device computes it while the caller streams this round's tokens, records its state and comes back.
+The next `verify` of that session with an empty proposal takes the launched forward's logits instead of
+running one; anything else done to the session first (a draft to verify, a fork, a rewind, unverified
+tokens, a batch with others, close) drops it and truncates its KV slot. A greedy round that takes a
+launched forward launches the next one before it even reads its own token: the argmax stays on the
+device and is the next step's input (`NativeEngine.forward`'s `feed`), so the device runs step after
+step while the host reads each token behind it. Other rounds (sampled, constrained) launch it once
+they know the pending token: the device then waits for that read and the launch, not for the caller.
+Only when a forward runs changes: its input, and so every token, is the same.
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ import torch
 from specmesh.decoding.acceptance import accept_batch
 from specmesh.decoding.adaptive import ForwardCost, LinearCostFit
 from specmesh.decoding.proposal import DraftProposal
+from specmesh.decoding.rejection import verify_greedy
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.tree import tree_forward_input
 from specmesh.decoding.types import NO_PARENT, VerifyOutcome
@@ -121,11 +135,57 @@ def shared_head(appends: Sequence[Sequence[int]]) -> int:
     return max(head, 0)
 
 
+@dataclass
+class _Ahead:
+    """A session's next plain forward, launched ahead (module docstring)."""
+
+    length: int  # the sequence's length in the engine before it
+    feed: list[int]  # its input: the session's uncached tokens, the pending one last
+    logits: torch.Tensor  # [1, vocab] on the device, possibly still being computed
+    launched: float  # perf_counter() once launched
+
+
+class _Readback:
+    """Reads a one-element device tensor back once the work queued before it is done, not the work
+    queued after it (a plain `.item()` waits for the whole stream): a copy into pinned host memory and an
+    event. On the CPU, the value."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._host: torch.Tensor | None = None
+        self._done = None
+
+    def start(self, value: torch.Tensor):
+        """Queue the copy of `value`; returns the call that waits for it and gives the int."""
+        if self.device.type != "cuda":
+            return lambda: int(value.reshape(()))
+        if self._host is None:
+            self._host = torch.empty(1, dtype=value.dtype, pin_memory=True)
+        host = self._host
+        with torch.cuda.device(self.device):
+            host.copy_(value.reshape(1), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+
+        def wait() -> int:
+            done.synchronize()
+            return int(host[0])
+        return wait
+
+
 class TargetVerifier:
     """Owns sessions on one target engine. Not thread-safe: one engine thread calls it."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, plain_ahead: bool | None = None):
+        """plain_ahead: launch a session's next plain forward early when its caller says the next round is
+        plain (module docstring); default on where the engine's forwards run asynchronously (CUDA)."""
         self.engine = engine
+        self.plain_ahead = bool(getattr(engine, "launches_ahead", False)) if plain_ahead is None else plain_ahead
+        self._ahead: dict[int, _Ahead] = {}  # seq_id -> its launched next plain forward
+        self.num_ahead_launched = 0
+        self.num_ahead_taken = 0
+        self._readback = _Readback(engine.device)
+        self._last_read = 0.0  # perf_counter() when a launched forward's outcome was last read
         # forward ms ~ fixed + per token * tokens over verify rounds (not prefills): the cost a draft token
         # adds, which adaptive k weighs (on a compute-bound low-bit CPU target it is far from the prior)
         self._round_costs = LinearCostFit(min_spread_tokens=0.3)
@@ -180,19 +240,28 @@ class TargetVerifier:
             session.num_forwards += 1
         return session.num_uncached
 
-    def verify(self, session: TargetSession, proposal: DraftProposal, keep_logits: bool = False) -> VerifyOutcome:
-        return self.verify_many([session], [proposal], keep_logits)[0]
+    def verify(self, session: TargetSession, proposal: DraftProposal, keep_logits: bool = False,
+               plain_next: bool = False) -> VerifyOutcome:
+        return self.verify_many([session], [proposal], keep_logits, plain_next)[0]
 
     def verify_many(self, sessions: Sequence[TargetSession], proposals: Sequence[DraftProposal],
-                    keep_logits: bool = False) -> list[VerifyOutcome]:
+                    keep_logits: bool = False, plain_next: bool = False) -> list[VerifyOutcome]:
         """Verify each session's proposal (an empty one = plain decoding) in one engine forward.
-        `keep_logits` puts the logits that judged each emitted token in `VerifyOutcome.logits`."""
+        `keep_logits` puts the logits that judged each emitted token in `VerifyOutcome.logits`.
+        `plain_next`: the caller's next round of this one session is plain (module docstring: plain steps
+        ahead)."""
         inputs = [self._forward_input(s, pr) for s, pr in zip(sessions, proposals)]
-        start = time.perf_counter()
-        logits = self.engine.forward(inputs)
-        num_fed = sum(len(item.token_ids) for item in inputs)
-        if num_fed == sum(1 + proposal.num_tokens for proposal in proposals):  # rounds only, no catch-up
-            self._round_costs.observe(num_fed, (time.perf_counter() - start) * 1e3)
+        launched = self._take_ahead(sessions, inputs)
+        if launched is not None and sessions[0].params.is_greedy and sessions[0].constraint is None:
+            return [self._greedy_round_ahead(sessions[0], launched, keep_logits, plain_next)]
+        if launched is not None:
+            logits = [launched.logits]
+        else:
+            start = time.perf_counter()
+            logits = self.engine.forward(inputs)
+            num_fed = sum(len(item.token_ids) for item in inputs)
+            if num_fed == sum(1 + proposal.num_tokens for proposal in proposals):  # rounds only, no catch-up
+                self._round_costs.observe(num_fed, (time.perf_counter() - start) * 1e3)
         logits = [rows if s.constraint is None else s.constraint.constrain(rows, pr)
                   for s, pr, rows in zip(sessions, proposals, logits)]
         outcomes = accept_batch(logits, proposals, [s.params for s in sessions], [s.generator for s in sessions],
@@ -203,7 +272,76 @@ class TargetVerifier:
                 session.constraint.commit(outcome.token_ids)
             if keep_logits:
                 outcome.logits = rows[outcome.judging_rows]
+        if launched is not None:
+            self._record_step(launched)
+        if plain_next and self.plain_ahead and len(sessions) == 1:
+            self._launch_ahead(sessions[0])
         return outcomes
+
+    def _greedy_round_ahead(self, session: TargetSession, launched: _Ahead, keep_logits: bool,
+                            plain_next: bool) -> VerifyOutcome:
+        """A greedy plain round that takes a launched forward: its token is the argmax on the device (the
+        op greedy acceptance runs, `_accept_greedy`), and the next step, fed that token on the device, is
+        launched before the host reads it, so the device goes from one step to the next without waiting
+        for the host."""
+        rows = launched.logits
+        token = rows.argmax(dim=-1)  # [1]
+        read = self._readback.start(token)
+        if plain_next and self.plain_ahead:
+            self._launch_ahead(session, feed=token)
+        outcome = verify_greedy([], [read()])
+        self._advance(session, DraftProposal(token_ids=[]), outcome)
+        next_ahead = self._ahead.get(session.seq_id)
+        if next_ahead is not None:
+            next_ahead.feed = [outcome.final_token_id]  # what the device fed it
+        self._record_step(launched)
+        if keep_logits:
+            outcome.logits = rows[outcome.judging_rows]
+        return outcome
+
+    def _record_step(self, launched: _Ahead) -> None:
+        """A launched forward's outcome is read: its step took at most the time since it was launched, or
+        since the step before it was read (an upper bound where the caller came late)."""
+        now = time.perf_counter()
+        self.engine.stats.record_step((now - max(launched.launched, self._last_read)) * 1e3)
+        self._last_read = now
+
+    def _launch_ahead(self, session: TargetSession, feed: torch.Tensor | None = None) -> None:
+        """Launch the session's next plain forward (module docstring): on its pending token, or (`feed`)
+        on the token the device holds, which becomes the pending token once read. None for a session in a
+        group (its forwards share a layout with the group's), or where the forward fails (the context is
+        full, no KV block is free: the round that needs it runs it and reports that)."""
+        if session.group is not None:
+            return
+        item = (SeqInput(session.seq_id, [0], [0]) if feed is not None  # the id is the device's (`NativeEngine.forward`)
+                else self._forward_input(session, DraftProposal(token_ids=[])))
+        length = self.engine.seq_len(session.seq_id)
+        try:
+            logits = self.engine.forward([item], timed=False, feed=feed)[0]  # type: ignore[call-arg]
+        except Exception:  # noqa: BLE001 - see above
+            return
+        self._ahead[session.seq_id] = _Ahead(length, list(item.token_ids), logits, time.perf_counter())
+        self.num_ahead_launched += 1
+
+    def _take_ahead(self, sessions: Sequence[TargetSession], inputs: Sequence[SeqInput]) -> _Ahead | None:
+        """The launched forward this batch of one plain round takes, if any; every other launched forward
+        of these sessions is dropped (`_drop_ahead`)."""
+        if len(sessions) == 1 and (ahead := self._ahead.pop(sessions[0].seq_id, None)) is not None:
+            item = inputs[0]
+            if (item.token_ids == ahead.feed and list(item.logits_at) == [len(ahead.feed) - 1] and item.parents is None
+                    and self.engine.seq_len(item.seq_id) == ahead.length + len(ahead.feed)):
+                self.num_ahead_taken += 1
+                return ahead
+            self.engine.truncate(item.seq_id, ahead.length)
+        for session in sessions:
+            self._drop_ahead(session)
+        return None
+
+    def _drop_ahead(self, session: TargetSession) -> None:
+        """Forget the session's launched forward and truncate the KV it appended."""
+        ahead = self._ahead.pop(session.seq_id, None)
+        if ahead is not None:
+            self.engine.truncate(session.seq_id, ahead.length)
 
     def fork(
         self,
@@ -244,6 +382,7 @@ class TargetVerifier:
                                  f"{sum(map(bool, appends))} of {len(appends)} lists non-empty")
         else:
             appends = [[int(t) for t in append_token_ids]] * len(params)
+        self._drop_ahead(parent)
         num_prefix = parent.num_tokens if num_prefix_tokens is None else num_prefix_tokens
         if not 1 <= num_prefix <= parent.num_tokens:
             raise ValueError(f"num_prefix_tokens must be in [1, {parent.num_tokens}], got {num_prefix}")
@@ -302,6 +441,7 @@ class TargetVerifier:
 
         Worked example: token_ids [p0 p1 a b x] with 4 cached (x pending); rewind to [p0 p1 a y z]
         -> 3 stay cached (p0 p1 a), the next forward feeds [y, z, *draft]."""
+        self._drop_ahead(session)
         new = [int(t) for t in token_ids]
         if not new or len(new) > self.engine.max_context:
             raise ContextLengthError(f"a sequence of {len(new)} tokens does not fit in the {self.engine.max_context}-token context")
@@ -319,6 +459,7 @@ class TargetVerifier:
 
         Worked example: [p0 p1 x] with 2 cached (x pending); append [a, b] -> [p0 p1 x a b], 2 cached;
         the next verify feeds [x, a, b, *draft] and judges the draft from b's row on."""
+        self._drop_ahead(session)
         tokens = [int(t) for t in token_ids]
         if any(not 0 <= t < self.engine.vocab_size for t in tokens):
             raise ValueError(f"unverified token ids must lie in [0, {self.engine.vocab_size})")
@@ -330,6 +471,7 @@ class TargetVerifier:
         session.token_ids.extend(tokens)
 
     def close(self, session: TargetSession) -> None:
+        self._ahead.pop(session.seq_id, None)
         self.engine.free(session.seq_id)
 
     def _forward_input(self, session: TargetSession, proposal: DraftProposal) -> SeqInput:
@@ -361,7 +503,7 @@ class TargetVerifier:
         if proposal.is_tree:
             kept = [*range(fed), *(fed + node for node in outcome.accepted_nodes)]
             self.engine.keep_tree_path(session.seq_id, kept)
-        else:
+        elif proposal.num_tokens:  # a plain round's KV is its length already (and may hold a step launched ahead)
             self.engine.truncate(session.seq_id, session.num_cached + fed + outcome.num_accepted)
         session.token_ids.extend(outcome.token_ids)
         session.num_cached = session.num_tokens - 1

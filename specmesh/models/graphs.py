@@ -97,20 +97,25 @@ class StepGraphs:
         self._scratch_slot = cache.scratch_block * self.block_size
         self._steps: dict[tuple[int, int], _Step] = {}
         self._pool = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
+        self._staging: torch.Tensor | None = None  # pinned host buffer of the packed numbers (CUDA, `_to_device`)
+        self._staged: object | None = None  # torch.cuda.Event after the staging buffer's last copy
         self.num_steps = 0  # forwards served, replayed or (no capture) run eagerly
         self.num_captured = 0
         self.num_replays = 0
 
     def forward(self, batch: Sequence[SeqInput], starts: Sequence[int], new_slots: Sequence[int],
-                shape: tuple[int, int]) -> torch.Tensor:
+                shape: tuple[int, int], feed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [sum of len(logits_at), vocab] of a batch, its slots already appended; `shape`: the batch's
-        `step_shape` (the caller has it, having asked whether this step serves the batch)."""
+        `step_shape` (the caller has it, having asked whether this step serves the batch). `feed`: the first
+        row's token id, on the device (`NativeEngine.forward`)."""
         step = self._steps.get(shape) or self._new_step(*shape)
         packed, width, num_logits = self._pack(batch, starts, new_slots, *shape)
-        device_packed = packed.to(self.engine.device)
+        device_packed = self._to_device(packed)
         flat_size = step.flat.shape[0]
         step.flat.copy_(device_packed[:flat_size])
         step.tables[:, :width].copy_(device_packed[flat_size : flat_size + shape[0] * width].view(shape[0], width))
+        if feed is not None:
+            step.flat[:1].copy_(feed.reshape(1))  # after the packed copy, before the step: in the stream's order
         logits_rows = device_packed[flat_size + shape[0] * width :]
         assert logits_rows.shape[0] == num_logits
         self.num_steps += 1
@@ -123,6 +128,29 @@ class StepGraphs:
             logits = self._run(step)
         assert logits is not None
         return logits.index_select(0, logits_rows)
+
+    def _to_device(self, packed: torch.Tensor) -> torch.Tensor:
+        """The packed numbers on the engine's device. On CUDA through a pinned staging buffer, copied
+        without waiting for the device (a pageable copy waits for every queued kernel, which would stop a
+        step launched ahead, `TargetVerifier`); the buffer is rewritten once its last copy is done."""
+        if self.engine.device.type != "cuda":
+            return packed.to(self.engine.device)
+        size = packed.shape[0]
+        if self._staging is None or self._staging.shape[0] < size:
+            self._staging = torch.empty(max(size, 2 * (0 if self._staging is None else self._staging.shape[0])),
+                                        dtype=torch.int64, pin_memory=True)
+            self._staged = None
+        if self._staged is not None:
+            self._staged.synchronize()  # type: ignore[attr-defined]
+        staging = self._staging[:size]
+        staging.copy_(packed)
+        device_packed = torch.empty(size, dtype=torch.int64, device=self.engine.device)
+        with torch.cuda.device(self.engine.device):  # the event on the engine's stream, whichever GPU is current
+            device_packed.copy_(staging, non_blocking=True)
+            staged = torch.cuda.Event()
+            staged.record()
+            self._staged = staged
+        return device_packed
 
     def _pack(self, batch: Sequence[SeqInput], starts: Sequence[int], new_slots: Sequence[int], num_batch: int,
               rows: int) -> tuple[torch.Tensor, int, int]:

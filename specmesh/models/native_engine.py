@@ -180,9 +180,27 @@ class NativeEngine:
         blocks = self.cache.blocks
         return KvUsage(blocks.block_size, blocks.num_blocks, blocks.num_free_blocks)
 
+    @property
+    def launches_ahead(self) -> bool:
+        """Whether `forward(..., timed=False)` returns with the step's kernels still queued on the device
+        (CUDA), so a caller can launch the next step before it reads this one's result
+        (`TargetVerifier`'s plain steps ahead). On the CPU a forward computes as it is called."""
+        return self.device.type == "cuda"
+
     # forward
-    def forward(self, batch: Sequence[SeqInput]) -> list[torch.Tensor]:
-        """One forward over a ragged batch; per input float32 logits [len(logits_at), vocab]."""
+    def forward(self, batch: Sequence[SeqInput], *, timed: bool = True, feed: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """One forward over a ragged batch; per input float32 logits [len(logits_at), vocab].
+        `timed=False`: the step is not timed into `stats` (on CUDA timing it waits for the step's kernels;
+        untimed, it returns once they are queued). `feed`: a one-element int64 tensor on the device that
+        replaces the token id of a batch of one one-token input (whose own id is then a placeholder): a step
+        whose input the device computes, launched before the host reads it (`TargetVerifier`'s steps ahead).
+        Read on the device by the fixed-shape step; elsewhere read back first."""
+        if feed is not None:
+            if len(batch) != 1 or len(batch[0].token_ids) != 1 or feed.numel() != 1:
+                raise ValueError("feed replaces the token of a batch of one one-token input")
+            if not (self.cuda_graphs and graphs.step_shape(batch) is not None):
+                item = batch[0]
+                batch, feed = [SeqInput(item.seq_id, [int(feed.reshape(()))], item.logits_at, item.parents, item.group)], None
         self._validate(batch)
         begin = time.perf_counter()
         starts = [self.seq_len(item.seq_id) for item in batch]
@@ -195,7 +213,7 @@ class NativeEngine:
             step_graphs = self.step_graphs if self.cuda_graphs else None
             shape = graphs.step_shape(batch) if step_graphs is not None else None
             if step_graphs is not None and shape is not None:
-                logits = step_graphs.forward(batch, starts, new_slots, shape)
+                logits = step_graphs.forward(batch, starts, new_slots, shape, feed)
                 num_rows = len(batch)
             elif self._fast_eligible(batch, starts, len(new_slots)):
                 logits = self._fast_forward(batch, starts, new_slots)
@@ -216,7 +234,7 @@ class NativeEngine:
         self.stats.num_sequences_forwarded += len(batch)
         self.stats.num_tokens_forwarded += len(new_slots)
         self.stats.num_attention_rows += num_rows
-        if len(new_slots) == 1 or (len(batch) == 1 and len(new_slots) >= PREFILL_STAT_TOKENS):
+        if timed and (len(new_slots) == 1 or (len(batch) == 1 and len(new_slots) >= PREFILL_STAT_TOKENS)):
             if self.device.type == "cuda":  # the step's kernels run after this returns: time them, not their launch
                 torch.cuda.synchronize(self.device)
             ms = (time.perf_counter() - begin) * 1e3

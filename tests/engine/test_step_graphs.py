@@ -134,6 +134,19 @@ def test_greedy_plain_and_speculative_decoding_match(engines):
         assert generate(TargetVerifier(static), PromptLookupDrafter(min_n=1, max_n=3), prompt, params).token_ids == want
 
 
+def test_steps_launched_ahead_feed_the_static_step(engines):
+    """Plain steps ahead (verifier.py) on the fixed-shape step: a greedy round's next step takes its token
+    id from the device (`feed`), written into the static buffer after the packed copy."""
+    eager, static = engines
+    for params in (SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=24),
+                   SamplingParams(temperature=1.0, top_k=20, seed=7, ignore_eos=True, max_new_tokens=24)):
+        want = generate(TargetVerifier(eager, plain_ahead=False), None, PROMPTS[1], params).token_ids
+        verifier = TargetVerifier(static, plain_ahead=True)
+        steps = static.step_graphs.num_steps
+        assert generate(verifier, None, PROMPTS[1], params).token_ids == want
+        assert verifier.num_ahead_taken == 22 and static.step_graphs.num_steps - steps == 24  # prefill + 23 rounds
+
+
 def test_seeded_sampling_matches(engines):
     eager, static = engines
     params = SamplingParams(temperature=1.0, top_k=20, seed=7, ignore_eos=True, max_new_tokens=20)
@@ -253,8 +266,12 @@ def test_cuda_graphs_match_the_eager_path_and_transformers(folder):
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=32)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     for prompt in PROMPTS:
-        want = generate(TargetVerifier(eager), None, prompt, params).token_ids
-        assert generate(TargetVerifier(graphed), None, prompt, params).token_ids == want
+        want = generate(TargetVerifier(eager, plain_ahead=False), None, prompt, params).token_ids
+        ahead = TargetVerifier(graphed)  # plain steps launched ahead, the greedy ones fed on the device
+        assert ahead.plain_ahead
+        assert generate(ahead, None, prompt, params).token_ids == want
+        assert ahead.num_ahead_taken == 30
+        assert generate(TargetVerifier(graphed, plain_ahead=False), None, prompt, params).token_ids == want
         assert generate(TargetVerifier(graphed), PromptLookupDrafter(min_n=1, max_n=3), prompt, params).token_ids == want
         ids = prompt + want
         assert hf_logits(hf, ids)[len(prompt) - 1 : -1].argmax(-1).tolist() == want
@@ -262,7 +279,7 @@ def test_cuda_graphs_match_the_eager_path_and_transformers(folder):
     sampled = SamplingParams(temperature=1.0, top_k=20, seed=3, ignore_eos=True, max_new_tokens=24)
     for drafter in (None, PromptLookupDrafter(min_n=1, max_n=3)):
         assert (generate(TargetVerifier(graphed), drafter, PROMPTS[1], sampled).token_ids
-                == generate(TargetVerifier(eager), drafter, PROMPTS[1], sampled).token_ids)
+                == generate(TargetVerifier(eager, plain_ahead=False), drafter, PROMPTS[1], sampled).token_ids)
 
 
 @cuda

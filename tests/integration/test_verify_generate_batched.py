@@ -113,3 +113,33 @@ def test_a_lone_run_steps_back_to_back_and_keeps_its_round_log(service):
         stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id))
     tokens = [opened.first_token_id] + [t for r in first + rest for t in r.result.accepted_token_ids]
     assert tokens == batched
+
+
+def test_lone_streams_with_steps_launched_ahead(service):
+    """The service's verifier launching each lone stream's next target-only step ahead (the default on
+    CUDA, `TargetVerifier.plain_ahead`; forced on here): the same tokens as the batched path, Run in two
+    parts included, and a stream cancelled partway frees every block, the step launched ahead's too."""
+    model, handle, address = service
+    verifier, engine = handle.servicer.verifier, handle.servicer.engine
+    free_before = engine.num_free_blocks
+    verifier.plain_ahead = True
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = verify_pb2_grpc.VerifyServiceStub(ch)
+            for sampling in (_sampling(temperature=0.0), _sampling(temperature=1.0, seed=7)):
+                taken_before = verifier.num_ahead_taken
+                alone = _generate(stub, PROMPTS[1], sampling)
+                assert verifier.num_ahead_taken - taken_before == NEW_TOKENS - 2  # every round but the first
+                assert alone == _run_beside_an_idle_session(stub, PROMPTS[1], sampling)
+                opened = stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=PROMPTS[1], sampling=sampling))
+                first = list(stub.Run(verify_pb2.RunRequest(session_id=opened.session_id, max_rounds=5), timeout=60))
+                rest = list(stub.Run(verify_pb2.RunRequest(session_id=opened.session_id, round_index=5), timeout=60))
+                stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id))
+                assert [opened.first_token_id] + [t for r in first + rest for t in r.result.accepted_token_ids] == alone
+            stream = stub.Generate(verify_pb2.VerifyGenerateRequest(prompt_token_ids=PROMPTS[0], sampling=common_pb2.SamplingParams(
+                temperature=0.0, max_new_tokens=400, ignore_eos=True)), timeout=60)
+            assert len(next(stream).token_ids) >= 1
+            stream.cancel()
+        assert wait_for(lambda: engine.num_free_blocks == free_before, 10)
+    finally:
+        verifier.plain_ahead = False
