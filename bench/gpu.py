@@ -259,17 +259,24 @@ def bare_decode(engine, prompt: list[int], num_new: int, clock: Clock) -> float:
 def measure_decode(engine, verifier: TargetVerifier, prompt: list[int], s: Settings, clock: Clock,
                    roofline_tokens_per_s: float | None) -> dict:
     warm = min(16, s.new_tokens)
-    library_decode(verifier, prompt, warm, clock)
+    unhurried = TargetVerifier(engine, plain_ahead=False)  # each step launched when the loop asks for it
+    for loop in (verifier, unhurried):
+        library_decode(loop, prompt, warm, clock)
     bare_decode(engine, prompt, warm, clock)
     counts = graph_counts(engine)
-    runs = repeat(lambda: (library_decode(verifier, prompt, s.new_tokens, clock), bare_decode(engine, prompt, s.new_tokens, clock)),
-                  s.runs)  # interleaved
-    library = [run["tokens_per_s"] for run, _ in runs]
-    bare = [rate for _, rate in runs]
+    runs = repeat(lambda: (library_decode(verifier, prompt, s.new_tokens, clock), bare_decode(engine, prompt, s.new_tokens, clock),
+                           library_decode(unhurried, prompt, s.new_tokens, clock)), s.runs)  # interleaved
+    library = [run["tokens_per_s"] for run, _, _ in runs]
+    bare = [rate for _, rate, _ in runs]
+    one_by_one = [run["tokens_per_s"] for _, _, run in runs]
+    if any(run["tokens"] != loop_run["tokens"] for run, _, loop_run in runs):
+        raise AssertionError("the library loop's tokens differ with and without steps ahead")
     result = dict(library_tokens_per_s=statistics.median(library),
-                  library_with_prefill_tokens_per_s=statistics.median(run["with_prefill_tokens_per_s"] for run, _ in runs),
+                  library_with_prefill_tokens_per_s=statistics.median(run["with_prefill_tokens_per_s"] for run, _, _ in runs),
                   bare_tokens_per_s=statistics.median(bare), step_ms=1e3 / statistics.median(bare), runs=len(runs),
-                  library_runs_tokens_per_s=library, bare_runs_tokens_per_s=bare, tokens=runs[-1][0]["tokens"])
+                  library_runs_tokens_per_s=library, bare_runs_tokens_per_s=bare, tokens=runs[-1][0]["tokens"],
+                  steps_ahead=verifier.plain_ahead, library_no_ahead_tokens_per_s=statistics.median(one_by_one),
+                  library_no_ahead_runs_tokens_per_s=one_by_one)
     if roofline_tokens_per_s:
         result["library_roofline_pct"] = 100 * result["library_tokens_per_s"] / roofline_tokens_per_s
         result["bare_roofline_pct"] = 100 * result["bare_tokens_per_s"] / roofline_tokens_per_s
@@ -453,10 +460,13 @@ def render_section(key: str, data: dict, s: Settings) -> list[str]:
 def render_measured(key: str, data: dict, s: Settings) -> list[str]:
     if key == "decode":
         lines = [f"### B=1 decoding, {s.new_tokens} new tokens (prefill excluded; median of the runs)", "",
-                 "| mode | library loop tok/s | % roofline | library incl. prefill tok/s | bare forward loop tok/s "
-                 "| % roofline | step ms | runs |", "|---|---|---|---|---|---|---|---|"]
+                 "| mode | library loop tok/s | % roofline | steps ahead | same loop, steps ahead off, tok/s "
+                 "| library incl. prefill tok/s | bare forward loop tok/s | % roofline | step ms | runs |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
         for mode, r in data.items():
+            off = f"{r['library_no_ahead_tokens_per_s']:.1f}" if "library_no_ahead_tokens_per_s" in r else "-"
             lines.append(f"| {mode} | {r['library_tokens_per_s']:.1f} | {_pct(r, 'library_roofline_pct')} | "
+                         f"{'on' if r.get('steps_ahead') else 'off'} | {off} | "
                          f"{r['library_with_prefill_tokens_per_s']:.1f} | {r['bare_tokens_per_s']:.1f} | "
                          f"{_pct(r, 'bare_roofline_pct')} | {r['step_ms']:.2f} | {r['runs']} |")
         lines += [f"\n{mode}: {r['fixed_shape_steps']} forwards took the fixed-shape step, {r['graph_replays']} of them "
