@@ -644,7 +644,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 with --quick)")
     parser.add_argument("--modes", default="graphs,eager", help="graphs (CUDA graphs on), eager (off); graphs only where the "
                         "engine captures them")
+    parser.add_argument("--blas", choices=("cublaslt", "cublas"), default=None,
+                        help="torch's preferred cuBLAS backend for the matrix products (default: torch's, cuBLASLt)")
     args = parser.parse_args()
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     s = QUICK if args.quick else FULL
     s = Settings(**{**s.__dict__, "new_tokens": args.new_tokens or s.new_tokens, "runs": args.runs or s.runs})
     shapes = ["tiny"] if args.quick else [shape.strip() for shape in args.shapes.split(",") if shape.strip()]
@@ -669,7 +673,8 @@ def main() -> int:
     meta = dict(command="python3 bench/gpu.py " + " ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 device=str(device), device_name=device_name, hbm_bytes_per_s=hbm_bandwidth_bytes_s(device_name) if device.type == "cuda" else None,
                 torch=torch.__version__, cuda=torch.version.cuda, transformers=transformers.__version__,
-                dtype=str(args.torch_dtype).removeprefix("torch."), threads=torch.get_num_threads(), settings=s.__dict__)
+                dtype=str(args.torch_dtype).removeprefix("torch."), threads=torch.get_num_threads(), settings=s.__dict__,
+                blas=str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda" else None)
     report = Report(args.out, device_slug(device), meta, s)
     start = time.perf_counter()
     for shape in shapes:
