@@ -646,7 +646,13 @@ def main() -> int:
                         "engine captures them")
     parser.add_argument("--blas", choices=("cublaslt", "cublas"), default=None,
                         help="torch's preferred cuBLAS backend for the matrix products (default: torch's, cuBLASLt)")
+    parser.add_argument("--one-row-kernel", action="store_true",
+                        help="one-row bf16 products through the Triton kernel (opt-in: specmesh/models/linear.py ONE_ROW_KERNEL)")
     args = parser.parse_args()
+    if args.one_row_kernel:
+        from specmesh.models import linear
+
+        linear.ONE_ROW_KERNEL = True
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
     s = QUICK if args.quick else FULL
@@ -674,7 +680,8 @@ def main() -> int:
                 device=str(device), device_name=device_name, hbm_bytes_per_s=hbm_bandwidth_bytes_s(device_name) if device.type == "cuda" else None,
                 torch=torch.__version__, cuda=torch.version.cuda, transformers=transformers.__version__,
                 dtype=str(args.torch_dtype).removeprefix("torch."), threads=torch.get_num_threads(), settings=s.__dict__,
-                blas=str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda" else None)
+                blas=str(torch.backends.cuda.preferred_blas_library()) if device.type == "cuda" else None,
+                one_row_kernel=args.one_row_kernel)
     report = Report(args.out, device_slug(device), meta, s)
     start = time.perf_counter()
     for shape in shapes:

@@ -51,17 +51,22 @@ def graph_us(fn) -> float:
     return sorted(times)[2]
 
 
+def products(shape: str) -> dict[str, tuple[int, int]]:
+    """(out features N, in features K) of each matrix a B=1 step of the shape reads."""
+    c = SHAPES[shape]
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    return {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inter, hidden), "down": (hidden, inter),
+            "lm_head": (c["vocab_size"], hidden)}
+
+
 def main() -> int:
     shapes = (sys.argv[1] if len(sys.argv) > 1 else "llama-3.2-1b,llama-3.1-8b").split(",")
     device = torch.device("cuda")
     for shape in shapes:
         c = SHAPES[shape]
-        hidden, inter = c["hidden_size"], c["intermediate_size"]
-        q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-        products = {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inter, hidden), "down": (hidden, inter),
-                    "lm_head": (c["vocab_size"], hidden)}
         print(f"{shape}: us per call (TB/s of weights)")
-        for name, (n, k) in products.items():
+        for name, (n, k) in products(shape).items():
             copies = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
                       for _ in range(max(1, min(REPEATS, -(-CYCLE_BYTES // (n * k * 2)))))]
             x = torch.randn(1, k, device=device, dtype=torch.bfloat16)

@@ -10,6 +10,12 @@ few rows by the same weights and should cost little more. MKL's sgemm (plain `F.
   every call; prepacked, one call reads it once: measured on a 576 -> 49k matrix, fp32 1 row 4.1 ms
   (same), 5 rows 3.5 ms (was 6.2), 9 rows 4.4 ms (was 7.2); bf16 1 row 2.0 ms (was 3.3). So verifying
   k + 1 <= 9 tokens costs about one decode step. The packing hint is `ONEDNN_PACK_ROWS` rows.
+  Opt-in (`ONE_ROW_KERNEL = True`, bench/gpu.py `--one-row-kernel`): on CUDA a one-row product in
+  bfloat16 / float16 (a B=1 decode step) takes a Triton kernel (specmesh/models/gemv_triton.py), rows
+  from two up stay on `F.linear`. On an H100 it makes 1B plain decoding 1.10x faster, but one-token
+  steps and verify forwards then round differently (a 9-token chain's logits 0.105 from the steps',
+  one row's argmax flipped on random weights, against 0.055 and none with cuBLAS alone): greedy
+  speculative decoding would drift further from plain decoding at near-ties. Off by default.
 - `int8-dynamic`: dynamic int8 (per-output-channel weights, activations quantized per call), CPU
   float32 input. Fast, but NOT batch-invariant (one activation scale per call: k + 1 rows verified
   together get other numbers than one at a time), so only for drafters.
@@ -28,10 +34,12 @@ import torch.nn.functional as F
 
 from specmesh.models.lowbit.qlinear import QuantLinear
 from specmesh.models.lowbit.qweight import QuantWeight, can_concatenate, concatenate
+from specmesh.models.paged_attention import triton_runs
 
 WeightLike = torch.Tensor | QuantWeight
 
 KERNELS = ("plain", "onednn", "int8-dynamic")
+ONE_ROW_KERNEL = False  # `plain`: one-row bf16 / fp16 products on CUDA through gemv_triton (opt-in: module docstring)
 ONEDNN_PACK_ROWS = 8  # rows the blocked layout is tuned for: verify-sized calls (1 + k tokens)
 
 
@@ -78,7 +86,12 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         if self.kernel == "int8-dynamic":
             return self._int8(x)
-        return F.linear(x, self._plain_weight(), self.bias)
+        weight = self._plain_weight()
+        if x.shape[0] == 1 and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and ONE_ROW_KERNEL and triton_runs(x):
+            from specmesh.models.gemv_triton import gemv
+
+            return gemv(x, weight, self.bias)
+        return F.linear(x, weight, self.bias)
 
     def _plain_weight(self) -> torch.Tensor:
         assert self.weight is not None  # only the packed kernels drop it

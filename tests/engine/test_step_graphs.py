@@ -241,6 +241,32 @@ def test_fused_kernels_match_the_eager_ops(dtype):
                 torch.testing.assert_close(g.cpu(), w.cpu(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
 
 
+@pytest.mark.skipif(not KERNEL_RUNS, reason="needs Triton and a GPU, or TRITON_INTERPRET=1 (test_under_the_interpreter)")
+@pytest.mark.parametrize("n,k,bias", [(5, 7, False), (40, 300, True), (64, 2048, False), (3, 2500, True)])
+def test_one_row_kernel_matches_f_linear(n, k, bias, monkeypatch):
+    """gemv_triton (a B=1 step's linears on CUDA, bf16 / fp16, opt-in) against F.linear: float32 in the
+    interpreter; on a GPU also bf16 and fp16, and through `Linear`, which takes it for one row once on."""
+    from specmesh.models import linear
+    from specmesh.models.gemv_triton import gemv
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator().manual_seed(n + k)
+    weight, x = torch.randn(n, k, generator=generator), torch.randn(1, k, generator=generator)
+    b = torch.randn(n, generator=generator) if bias else None
+    dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if device == "cuda" else [])
+    for dtype in dtypes:
+        w, xs, bs = weight.to(device, dtype), x.to(device, dtype), None if b is None else b.to(device, dtype)
+        want = torch.nn.functional.linear(xs.float(), w.float(), None if bs is None else bs.float())
+        tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+        torch.testing.assert_close(gemv(xs, w, bs).float(), want, **tolerance)
+        layer = linear.Linear(w, bs)
+        monkeypatch.setattr(linear, "ONE_ROW_KERNEL", True)
+        if dtype != torch.float32:  # Linear takes the kernel for one bf16 / fp16 row, F.linear otherwise
+            assert torch.equal(layer(xs), gemv(xs, w, bs))
+            two = torch.cat([xs, xs])
+            assert torch.equal(layer(two), torch.nn.functional.linear(two, w, bs))
+
+
 @pytest.mark.skipif(not triton_available() or torch.cuda.is_available() or INTERPRETED,
                     reason="needs Triton on a machine without a GPU")
 def test_under_the_interpreter():
@@ -249,7 +275,7 @@ def test_under_the_interpreter():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", __file__, "-p", "no:cacheprovider"],
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "12 passed" in done.stdout
+    assert "17 passed" in done.stdout
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
