@@ -140,7 +140,7 @@ class _Ahead:
     """A session's next plain forward, launched ahead (module docstring)."""
 
     length: int  # the sequence's length in the engine before it
-    feed: list[int]  # its input: the session's uncached tokens, the pending one last
+    feed: list[int]  # its input: the session's uncached tokens, the pending one last (fed on the device: set once read)
     logits: torch.Tensor  # [1, vocab] on the device, possibly still being computed
     launched: float  # perf_counter() once launched
 
@@ -152,8 +152,7 @@ class _Readback:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._host: torch.Tensor | None = None
-        self._done = None
+        self._host: torch.Tensor | None = None  # pinned, reused: each copy is waited for before the next
 
     def start(self, value: torch.Tensor):
         """Queue the copy of `value`; returns the call that waits for it and gives the int."""
