@@ -14,6 +14,7 @@ as a decode step does (the first version reused one weight: its small products w
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -60,6 +61,13 @@ def products(shape: str) -> dict[str, tuple[int, int]]:
             "lm_head": (c["vocab_size"], hidden)}
 
 
+def weight_copies(n: int, k: int, device: torch.device) -> list[torch.Tensor]:
+    """Random bf16 [n, k] weights, enough of them (CYCLE_BYTES, at most REPEATS) that calls cycling through
+    them read each from HBM."""
+    count = max(1, min(REPEATS, -(-CYCLE_BYTES // (n * k * 2))))
+    return [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+
+
 def main() -> int:
     shapes = (sys.argv[1] if len(sys.argv) > 1 else "llama-3.2-1b,llama-3.1-8b").split(",")
     device = torch.device("cuda")
@@ -67,10 +75,9 @@ def main() -> int:
         c = SHAPES[shape]
         print(f"{shape}: us per call (TB/s of weights)")
         for name, (n, k) in products(shape).items():
-            copies = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-                      for _ in range(max(1, min(REPEATS, -(-CYCLE_BYTES // (n * k * 2)))))]
+            copies = weight_copies(n, k, device)
             x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-            calls = iter(range(10**9))
+            calls = itertools.count()
             row = []
             for backend in ("cublaslt", "cublas"):
                 torch.backends.cuda.preferred_blas_library(backend)

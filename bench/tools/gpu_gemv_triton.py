@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.tools.gpu_gemv import CYCLE_BYTES, REPEATS, graph_us, products  # noqa: E402
+from bench.tools.gpu_gemv import graph_us, products, weight_copies  # noqa: E402
 from specmesh.models.gemv_triton import gemv  # noqa: E402
 
 CONFIGS = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in itertools.product((1, 2, 4, 8), (1024, 2048), (4, 8))]
@@ -47,8 +47,7 @@ def main() -> int:
     for shape in shapes:
         print(f"{shape}: us per call (TB/s of weights); the kernel's best configurations")
         for name, (n, k) in products(shape).items():
-            copies = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-                      for _ in range(max(1, min(REPEATS, -(-CYCLE_BYTES // (n * k * 2)))))]
+            copies = weight_copies(n, k, device)
             x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
             out = torch.empty(1, n, device=device, dtype=torch.bfloat16)
             want = F.linear(x, copies[0])

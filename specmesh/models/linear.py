@@ -87,7 +87,7 @@ class Linear:
         if self.kernel == "int8-dynamic":
             return self._int8(x)
         weight = self._plain_weight()
-        if x.shape[0] == 1 and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and ONE_ROW_KERNEL and triton_runs(x):
+        if ONE_ROW_KERNEL and x.shape[0] == 1 and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and triton_runs(x):
             from specmesh.models.gemv_triton import gemv
 
             return gemv(x, weight, self.bias)
