@@ -294,6 +294,10 @@ class FailoverDrafter:
         """`CostReporter`: a draft token's cost on the Draft replica, as it reported (n-grams: not known)."""
         return handle.remote_session.ms_per_token if handle.remote_session is not None else None
 
+    def opened_drafting_ahead(self, handle: DraftHandle) -> bool:
+        """`AheadReporter`: whether the Draft replica drafts the session's next round while its last is verified."""
+        return handle.remote_session is not None and handle.remote_session.drafts_ahead
+
     async def propose(self, handle: DraftHandle, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         handle.context.extend(accepted_since_last)
         if handle.remote is not None and handle.remote_session is not None:

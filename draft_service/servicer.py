@@ -246,7 +246,8 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
                                                              len(prompt) + len(encoder_input),
                                                              draft_ahead=not encoder_input))
         return draft_pb2.DraftOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=params.seed,
-                                                  ms_per_token=getattr(self.drafter, "ms_per_token", None))
+                                                  ms_per_token=getattr(self.drafter, "ms_per_token", None),
+                                                  drafts_ahead=self.draft_ahead and not encoder_input)
 
     @rpc_method
     async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeResponse:
@@ -272,6 +273,12 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             if held is not None:
                 session.hit_rate = moving_average(session.hit_rate, float(held))
             response = propose_response(result.proposal, request, self.vocab_size, result.draft_ms)
+            if self.draft_ahead and session.draft_ahead:
+                # the engine's one-token forwards (recent average, those ahead included); a batch's, under load
+                forward_ms = getattr(self.drafter, "ms_per_token", None) if self.num_sessions <= 1 else None
+                forward_ms = forward_ms or self._ahead_forward_ms
+                if forward_ms is not None:
+                    response.ahead_forward_ms = forward_ms
             session.rounds.remember(request, response)
             session.answered_at = time.perf_counter()
             self._want_ahead(session, result.proposal.num_tokens, q_dtype)

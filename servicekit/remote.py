@@ -199,6 +199,7 @@ class RemoteDraftSession:
     needs_q: bool  # standard sampling: the verifier needs the draft distributions (`SamplingParams.needs_q`)
     rounds: list[int] = field(default_factory=lambda: [0])  # Propose calls answered (mutable cell)
     ms_per_token: float | None = None  # what a draft token cost on the service when the session opened
+    drafts_ahead: bool = False  # the service drafts each next round while the last one is verified
 
 
 class RemoteDrafter:
@@ -224,11 +225,16 @@ class RemoteDrafter:
             prompt_token_ids=list(prompt_ids), sampling=_token_level(params), encoder_input_ids=self.encoder_input_ids),
             timeout=self.timeout_s, metadata=self.metadata)
         return RemoteDraftSession(response.session_id, needs_q=params.needs_q,
-                                  ms_per_token=response.ms_per_token if response.HasField("ms_per_token") else None)
+                                  ms_per_token=response.ms_per_token if response.HasField("ms_per_token") else None,
+                                  drafts_ahead=response.drafts_ahead)
 
     def opened_ms_per_token(self, session: RemoteDraftSession) -> float | None:
         """`CostReporter`: what a draft token cost on the service when the session opened."""
         return session.ms_per_token
+
+    def opened_drafting_ahead(self, session: RemoteDraftSession) -> bool:
+        """`CostReporter`: whether the service drafts this session's next round while its last one is verified."""
+        return session.drafts_ahead
 
     async def propose(self, session: RemoteDraftSession, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         request = draft_pb2.ProposeRequest(
@@ -245,7 +251,9 @@ class RemoteDrafter:
         acceptance = response.first_token_acceptance if response.HasField("first_token_acceptance") else None
         if acceptance is not None and not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"first_token_acceptance {acceptance} is not a probability")
-        return DraftProposal(token_ids=token_ids, q=q, parents=list(response.tree_parents) or None, acceptance=acceptance)
+        ahead_ms = response.ahead_forward_ms if response.HasField("ahead_forward_ms") else None
+        return DraftProposal(token_ids=token_ids, q=q, parents=list(response.tree_parents) or None, acceptance=acceptance,
+                             ahead_forward_ms=ahead_ms)
 
     async def close(self, session: RemoteDraftSession) -> None:
         await _close_quietly(self.stub.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=session.session_id),

@@ -33,6 +33,24 @@ Worked example: A = 24 ms, B = 2 ms
 Worked example: a = 0.8, d = 1 ms, v1 = 10 ms, beta = 0.1
     k=0: 1 / 10 = 0.100 tok/ms      k=4: 3.36 / (4 + 14) = 0.187      k=8: 4.33 / (8 + 18) = 0.167
     -> k = 4 (k=5: 3.69 / 20 = 0.184 is already worse)
+
+Drafting ahead (`set_drafting_ahead`: a Draft service with `draft_ahead`, on cores of its own). While
+the target verifies a round, the drafter makes its guess at the target's next token and drafts the
+next round from it. The next round waits only for what is not done by then when the guess held (every
+draft accepted and the guess right: p = a^(k+1)), and for its k drafts when it did not:
+    round(k) = v(k) + p * max(0, (k+1) d - v(k)) + (1 - p) * k d + o
+d is then what one of the drafter's forwards costs as it reports it with each proposal (a round's
+draft wait says how much of the drafting was hidden, not what a forward costs), o the measured
+wait beyond that model (the Propose round trip, a forward ahead still running): the mean of the
+rounds' draft ms less their modelled wait. v(k) comes from drafting rounds only, beta too (fitted on
+their verify ms against k + 1, once their k vary; the verifier's own fit is not taken): the drafter's
+forwards beside the verify forward slow it (on a 2-core CPU, 40 ms for 2 tokens against a 23 ms plain
+step), which a fit over plain and drafting forwards together reads as a dear token (beta 1: no draft
+ever pays). Worked example, o = 0: a = 0.9, d = 16 ms,
+v1 = 24 ms, beta = 0.125 (a bf16 self-draft and an fp32 target, a core each):
+    k=0: 1 / 24 = 0.042 tok/ms
+    drafts not ahead: k=1: 1.9 / (16 + 27) = 0.044      k=4: 4.10 / (64 + 36) = 0.041
+    drafting ahead:   k=1: 1.9 / (27 + 0.81 * 5 + 0.19 * 16) = 0.056      k=4: 4.10 / 88.2 = 0.046
 """
 
 from __future__ import annotations
@@ -164,6 +182,10 @@ class AdaptiveK:
         self._rounds_at_zero = 0
         self._probe_interval = self.probe_every
         self._k = self.k_init
+        self.drafts_ahead = False  # the drafter drafts each next round while the last is verified (module docstring)
+        self.ahead_overhead_ms: float | None = None  # o: a drafted-ahead round's draft wait beyond the model (mean)
+        self.ahead_decode_ms: float | None = None  # v1 as drafting rounds measure it while the drafter runs beside
+        self._ahead_fit = LinearCostFit(min_spread_tokens=0.5)  # those rounds' verify ms ~ fixed + per token * (k + 1)
 
     def next_k(self) -> int:
         return self._k
@@ -187,6 +209,16 @@ class AdaptiveK:
         self.draft_ms_per_token, self.decode_ms = draft_ms_per_token, decode_ms
         self._k = self._best()
 
+    def set_drafting_ahead(self, on: bool, forward_ms: float | None = None) -> None:
+        """Whether the drafter drafts each next round while the last one is verified, and (`forward_ms`) what
+        one of its forwards costs now, as it says: rounds are then priced by what drafting ahead hides
+        (module docstring). The first k stays the prior costs' (`prior_costs`): priced as drafted ahead at
+        the prior acceptance, a self-draft's first round, which also prefills the prompt on the drafter, cost
+        more than the plain rounds it let in (bench/draft_ahead.py, module docstring)."""
+        self.drafts_ahead = on
+        if on and forward_ms is not None:
+            self.draft_ms_per_token = forward_ms
+
     def could_pay(self) -> bool:
         """Whether some k > 0 would beat plain decoding by a margin were every draft token accepted:
         the best k in [k_min, k_max] must save `min_gain` of a plain step per emitted token
@@ -203,8 +235,7 @@ class AdaptiveK:
         until both costs are known."""
         if self.draft_ms_per_token is None or self.decode_ms is None:
             return None
-        v1, d = self.decode_ms, self.draft_ms_per_token
-        return v1 - min((k * d + v1 * (1.0 + self.beta * k)) / (k + 1) for k in range(self.k_min, self.k_max + 1))
+        return self.decode_ms - min(self._round_ms(k, 1.0) / (k + 1) for k in range(self.k_min, self.k_max + 1))
 
     def probe_pays(self, outlook: Outlook | None) -> bool:
         """Whether a probe could win back its catch-up: the most an emitted token can save
@@ -233,9 +264,14 @@ class AdaptiveK:
         drafter feeding the tokens of the plain rounds before it) says little of a draft token's
         cost, and would keep a policy at k = 0 there: it is used only while nothing better is known;
         what it took beyond its drafts' cost, per token taken in, is the catch-up cost (`probe_pays`)."""
-        if cost is not None:  # the first report replaces the prior; later ones are averaged in
+        if cost is not None and not self.drafts_ahead:  # the first report replaces the prior; later ones are averaged in
             self.beta = self._ema(self.beta if self._beta_measured else None, cost.beta())
             self._beta_measured = True
+        if self.drafts_ahead and num_drafted > 0:  # (module docstring: drafting ahead, beta from these rounds alone)
+            self._ahead_fit.observe(num_drafted + 1, verify_ms)
+            fitted = self._ahead_fit.cost(1)
+            if fitted is not None:
+                self.beta, self._beta_measured = fitted.beta(), True
         if num_drafted > 0:
             # each trial is one EMA step: n successes move a to 1 - (1 - a)(1 - w)^n, a failure scales it by 1 - w
             keep = 1 - self.ema_weight
@@ -245,9 +281,16 @@ class AdaptiveK:
             if catch_up and self.draft_ms_per_token is not None:
                 extra = max(0.0, draft_ms - num_drafted * self.draft_ms_per_token)
                 self.catch_up_ms_per_token = self._ema(self.catch_up_ms_per_token, extra / catch_up)
+            elif self.drafts_ahead:  # the wait, not a forward's cost (which the drafter reports)
+                modelled = self._round_ms(num_drafted, self.acceptance, overhead=False) - self._verify_ms(num_drafted)
+                self.ahead_overhead_ms = self._ema(self.ahead_overhead_ms, draft_ms - modelled)
             else:
                 self.draft_ms_per_token = self._ema(self.draft_ms_per_token, draft_ms / num_drafted)
-        self.decode_ms = self._ema(self.decode_ms, verify_ms / (1.0 + self.beta * num_drafted))
+        step_ms = verify_ms / (1.0 + self.beta * num_drafted)
+        if self.drafts_ahead and num_drafted > 0:  # the verify forward shares the machine with the drafting
+            self.ahead_decode_ms = self._ema(self.ahead_decode_ms, step_ms)
+        else:
+            self.decode_ms = self._ema(self.decode_ms, step_ms)
         self._k = self._choose(num_drafted, outlook)
 
     def pays(self, acceptance: float) -> bool:
@@ -271,11 +314,25 @@ class AdaptiveK:
 
     def speed(self, k: int) -> float:
         """Expected tokens per ms at draft length k under the current estimates."""
-        return expected_tokens(min(self.acceptance, 0.999), k) / self._round_ms(k)
+        acceptance = min(self.acceptance, 0.999)
+        return expected_tokens(acceptance, k) / self._round_ms(k, acceptance)
 
-    def _round_ms(self, k: int) -> float:
-        """Expected ms of a round at draft length k: its drafts, and a verify forward growing by beta a token."""
-        return (self.draft_ms_per_token or 0.0) * k + (self.decode_ms or 1.0) * (1 + self.beta * k)
+    def _verify_ms(self, k: int) -> float:
+        """A verify forward of k + 1 tokens: a plain step growing by beta a token (drafting ahead, the step as
+        drafting rounds measured it: the drafter's forwards beside it contend for the memory, and a plain
+        round's step, which they do not, would price it low)."""
+        step = self.ahead_decode_ms if self.drafts_ahead and k > 0 and self.ahead_decode_ms is not None else self.decode_ms
+        return (step or 1.0) * (1 + self.beta * k)
+
+    def _round_ms(self, k: int, acceptance: float, overhead: bool = True) -> float:
+        """Expected ms of a round at draft length k: its verify forward and its k drafts, or, drafting ahead, the
+        part of them not hidden behind the last round's verify forward (module docstring; `overhead`: o counted)."""
+        d, verify = self.draft_ms_per_token or 0.0, self._verify_ms(k)
+        if not self.drafts_ahead or k == 0:
+            return verify + d * k
+        held = acceptance ** (k + 1)  # every draft accepted and the guess at the target's token right
+        extra = max(0.0, self.ahead_overhead_ms or 0.0) if overhead else 0.0
+        return verify + held * max(0.0, (k + 1) * d - verify) + (1 - held) * k * d + extra
 
     def _best(self) -> int:
         """The k of the highest `speed`: over k_min..k_max, the lowest on a tie, then 0 (when allowed)
@@ -287,10 +344,10 @@ class AdaptiveK:
             power *= acceptance
             expected += power
             if k >= self.k_min:
-                speed = expected / self._round_ms(k)
+                speed = expected / self._round_ms(k, acceptance)
                 if speed > best_speed:
                     best_k, best_speed = k, speed
-        if self.allow_zero and (best_k < 0 or 1.0 / self._round_ms(0) > best_speed):
+        if self.allow_zero and (best_k < 0 or 1.0 / self._round_ms(0, acceptance) > best_speed):
             return 0
         return best_k
 

@@ -97,6 +97,16 @@ class CostReporter(Protocol):
     def opened_ms_per_token(self, session: Any) -> float | None: ...
 
 
+@runtime_checkable
+class AheadReporter(Protocol):
+    """Optional, on the drafter: whether it drafts the session's next round while the last one is verified
+    (a Draft service with `draft_ahead`). The adaptive k policy then prices a round by what that hides
+    (`AdaptiveK.set_drafting_ahead`) from the first round on; each proposal then says what a forward costs
+    (`DraftProposal.ahead_forward_ms`)."""
+
+    def opened_drafting_ahead(self, session: Any) -> bool: ...
+
+
 async def speculative_stream_async(
     verifier: AsyncVerifier,
     drafter: AsyncDrafter | None,
@@ -162,6 +172,8 @@ def _prior_costs(state: SpeculationState, verifier: Any, session: Any, drafter: 
     """Both sides' `CostReporter` figures, if both have them, as the adaptive policy's prior."""
     if isinstance(state.k_policy, AdaptiveK) and isinstance(verifier, CostReporter) and isinstance(drafter, CostReporter):
         state.k_policy.prior_costs(drafter.opened_ms_per_token(draft_state), verifier.opened_ms_per_token(session))
+        if isinstance(drafter, AheadReporter) and drafter.opened_drafting_ahead(draft_state):
+            state.k_policy.set_drafting_ahead(True)
 
 
 def _check_plan(plan: Plan, drafter: AsyncDrafter | None) -> None:
@@ -183,8 +195,11 @@ async def _client_rounds(verifier: Any, session: Any, state: SpeculationState, d
         if step.asks:
             assert drafter is not None  # has_drafter
             start = time.perf_counter()
-            proposal = step.take(await drafter.propose(draft_state, step.new_tokens, k))
+            drafted = await drafter.propose(draft_state, step.new_tokens, k)
             draft_ms = (time.perf_counter() - start) * 1e3
+            if isinstance(state.k_policy, AdaptiveK) and (state.k_policy.drafts_ahead or drafted.ahead_forward_ms is not None):
+                state.k_policy.set_drafting_ahead(drafted.ahead_forward_ms is not None, drafted.ahead_forward_ms)  # off: a failover
+            proposal = step.take(drafted)
         if proposal.unverified:  # lossy, opt-in: an adaptive cascade stopped below the target
             await verifier.commit(session, proposal.token_ids)  # the next Verify carries them (forced_token_ids)
             yield state.record_unverified(proposal.token_ids, draft_ms)

@@ -68,6 +68,9 @@ class DraftProposal:
     # the drafter's own estimate that its first token is accepted (None: it has none); an adaptive k
     # policy withholds a draft whose first token is unlikely to pay for its verification (SpeculationState.gate)
     acceptance: float | None = field(default=None, repr=False, compare=False)
+    # the drafter drafts the next round while this one is verified, each forward taking this long now (ms):
+    # an adaptive k policy prices rounds by what that hides (`AdaptiveK.set_drafting_ahead`); None: it does not
+    ahead_forward_ms: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

@@ -43,7 +43,7 @@ def services(target):
             draft = running.start(create_draft(DraftOptions(model=target, dtype="float32", port=0, draft_ahead=ahead)))
             coordinator = running.start(create_coordinator(CoordinatorOptions(
                 model=target, port=0, draft_addresses=f"127.0.0.1:{draft.port}", verify_addresses=f"127.0.0.1:{verify.port}")))
-            addresses[ahead] = (f"127.0.0.1:{coordinator.port}", draft.servicer)
+            addresses[ahead] = (f"127.0.0.1:{coordinator.port}", draft.servicer, draft.port)
         yield addresses
     finally:
         running.close()
@@ -71,7 +71,7 @@ def _served(servicer) -> int:
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_with_drafts_ahead_equals_target_only(services, target, k):
-    address, servicer = services[True]
+    address, servicer, _ = services[True]
     before = _served(servicer)
     tokens, last = _run(_generate(address, k))
     assert tokens == target_only_greedy(target, PROMPT, 48)
@@ -89,7 +89,7 @@ def test_seeded_sampling_does_not_depend_on_drafting_ahead(services, rule, seed)
 
 
 def test_concurrent_streams_with_drafts_ahead_free_their_kv(services, target):
-    address, servicer = services[True]
+    address, servicer, _ = services[True]
 
     async def many():
         return await asyncio.gather(*(_generate(address, 3) for _ in range(6)))
@@ -106,7 +106,7 @@ def test_a_forward_ahead_that_would_delay_the_next_call_starts_only_where_guesse
     a hit) outweighs the rest (lost on a miss)."""
     from draft_service.servicer import DraftSession
 
-    _, servicer = services[True]
+    _, servicer, _ = services[True]
     session = DraftSession(state=None, params=None, generator=None, seed=0, num_tokens=0, answered_at=100.0)
     saved = servicer._ahead_forward_ms
     try:
@@ -126,3 +126,27 @@ def test_a_forward_ahead_that_would_delay_the_next_call_starts_only_where_guesse
         assert servicer._due(session, 100.0)  # a forward longer than the target's round: not before a guess held
     finally:
         servicer._ahead_forward_ms = saved
+
+
+def test_the_draft_service_says_it_drafts_ahead_and_what_a_forward_costs(services):
+    """A Draft service with `draft_ahead` says so when a session opens, and with each proposal what one
+    of its forwards costs now (the caller's k policy prices rounds by what drafting ahead hides); one
+    without says neither."""
+    from specmesh.proto.v1 import draft_pb2, draft_pb2_grpc
+
+    async def open_and_propose(port: int):
+        async with channel(f"127.0.0.1:{port}") as ch:
+            stub = draft_pb2_grpc.DraftServiceStub(ch)
+            opened = await stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
+                prompt_token_ids=[1, 2, 3, 4], sampling=common_pb2.SamplingParams(temperature=0.0)), timeout=TIMEOUT_S)
+            proposed = await stub.Propose(draft_pb2.ProposeRequest(session_id=opened.session_id, num_draft_tokens=3),
+                                          timeout=TIMEOUT_S)
+            await stub.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=opened.session_id), timeout=TIMEOUT_S)
+            return opened, proposed
+
+    for ahead in (True, False):
+        opened, proposed = _run(open_and_propose(services[ahead][2]))
+        assert opened.drafts_ahead is ahead
+        assert proposed.HasField("ahead_forward_ms") is ahead and len(proposed.draft_token_ids) == 3
+        if ahead:
+            assert proposed.ahead_forward_ms > 0

@@ -267,3 +267,72 @@ def test_the_drafters_prefill_cost_prices_a_probes_catch_up_until_a_catch_up_rou
     assert policy.catch_up_ms() == pytest.approx(1.5)
     policy.prior_costs(5.0, 30.0, catch_up_ms_per_token=20.0)  # too late: a round measured it
     assert policy.catch_up_ms() == pytest.approx(1.5)
+
+
+def _ahead_policy(**kwargs) -> AdaptiveK:
+    policy = AdaptiveK(**kwargs)
+    policy.acceptance, policy.draft_ms_per_token, policy.decode_ms, policy.beta = 0.9, 16.0, 24.0, 0.125
+    return policy
+
+
+def test_drafting_ahead_docstring_worked_example():
+    """A drafter on cores of its own that drafts the next round while the last is verified: k = 1 hides
+    most of its forward behind the verify, where drafting in turn barely beats plain decoding."""
+    turns = _ahead_policy()
+    assert turns.speed(1) == pytest.approx(1.9 / 43) and turns.speed(4) == pytest.approx(4.0951 / 100)
+    ahead = _ahead_policy()
+    ahead.set_drafting_ahead(True)
+    held = 0.9**2
+    assert ahead.speed(1) == pytest.approx(1.9 / (27 + held * 5 + (1 - held) * 16))
+    assert ahead.speed(1) > 1.25 * turns.speed(1) and ahead._best() == 1
+    assert ahead.speed(4) == pytest.approx(4.0951 / (36 + 0.9**5 * 44 + (1 - 0.9**5) * 64))
+
+
+def test_drafting_ahead_takes_the_drafters_forward_cost_and_measures_what_the_model_misses():
+    """Drafting ahead, a round's draft wait is not a forward's cost: d follows what the drafter reports,
+    and the wait beyond the model (the Propose round trip, say) is measured as o, which prices every
+    drafting round from then on; a draft that stops drafting ahead (a failover) is priced by its waits again."""
+    policy = _ahead_policy(k_init=2, k_min=2, k_max=2)
+    policy.set_drafting_ahead(True, forward_ms=16.0)
+    for _ in range(40):  # every round held: the wait is only the 3 ms round trip; the verify slowed by the drafting
+        k = policy.next_k()
+        policy.set_drafting_ahead(True, forward_ms=16.0)
+        policy.update(k, k, draft_ms=3.0, verify_ms=30.0 * (1 + 0.125 * k))
+    assert policy.draft_ms_per_token == 16.0  # the waits did not lower it
+    assert policy.decode_ms == 24.0 and policy.ahead_decode_ms == pytest.approx(30.0)  # a plain step is not slowed
+    assert policy._verify_ms(0) == 24.0 and policy._verify_ms(2) == pytest.approx(30.0 * 1.25)
+    assert policy.acceptance > 0.99 and policy.next_k() == k == 2
+    modelled = policy._round_ms(k, policy.acceptance, overhead=False) - policy._verify_ms(k)
+    assert policy.ahead_overhead_ms == pytest.approx(3.0 - modelled, abs=0.5)
+    for _ in range(40):  # the waits grow by 10 ms a round: o follows, and prices drafting rounds
+        k = policy.next_k()
+        policy.update(k, k, draft_ms=13.0 + modelled, verify_ms=30.0 * (1 + 0.125 * k))
+    assert policy.ahead_overhead_ms == pytest.approx(13.0, abs=0.5)
+    assert policy._round_ms(k, 1.0) == pytest.approx(policy._round_ms(k, 1.0, overhead=False) + policy.ahead_overhead_ms)
+    policy.set_drafting_ahead(False)
+    policy.update(2, 2, draft_ms=2.0, verify_ms=30.0)
+    assert policy.draft_ms_per_token == pytest.approx(0.7 * 16.0 + 0.3 * 1.0)
+    assert policy._verify_ms(2) == pytest.approx(policy.decode_ms * 1.25)
+
+
+def test_drafted_ahead_a_draft_dearer_in_turn_keeps_drafting_and_one_dearer_than_a_step_stops():
+    """The first k is the prior costs'; from then on rounds drafted ahead are priced as such. A draft forward
+    at 0.8 of the target's step, every token accepted: drafting in turn falls back to plain decoding,
+    drafting ahead keeps drafting (most of each round's drafting hides behind its verify). A forward dearer
+    than the step stops even drafted ahead: held or not, each emitted token waits for at least one."""
+    def run(ahead: bool, forward_ms: float) -> list[int]:
+        policy = AdaptiveK(beta=0.14)
+        policy.set_drafting_ahead(ahead, forward_ms)
+        ks = []
+        for _ in range(30):
+            k = policy.next_k()
+            ks.append(k)
+            if ahead:
+                policy.set_drafting_ahead(True, forward_ms)
+            wait = k * forward_ms if not ahead else max(0.0, (k + 1) * forward_ms - 25.0 * (1 + 0.14 * k))
+            policy.update(k, k, draft_ms=wait, verify_ms=25.0 * (1 + 0.14 * k))
+        return ks
+
+    assert run(False, 20.0)[-10:] == [0] * 10
+    assert min(run(True, 20.0)[-10:]) > 0
+    assert run(True, 30.0)[-10:] == [0] * 10

@@ -137,3 +137,38 @@ def test_a_cascade_reports_its_base_drafters_cost(base_ms, drafts):
     assert any(base.asked) is drafts
     silent = AsyncCascadeDrafter(OracleDrafter(ms_per_token=base_ms), [])
     assert silent.opened_ms_per_token(asyncio.run(silent.open([1, 2, 3], SamplingParams(temperature=0)))) is None
+
+
+class AheadDrafter(ReportingDrafter):
+    """Drafts ahead while the target verifies (`AheadReporter`), each forward costing `forward_ms` as
+    each proposal says, until `stops_after` proposals (a failover to a drafter that does not)."""
+
+    def __init__(self, ms_per_token: float, forward_ms: float, stops_after: int = 10**6):
+        super().__init__(ms_per_token)
+        self.forward_ms, self.stops_after = forward_ms, stops_after
+
+    def opened_drafting_ahead(self, context) -> bool:
+        return True
+
+    async def propose(self, context, accepted_since_last, max_tokens):
+        proposal = await super().propose(context, accepted_since_last, max_tokens)
+        if len(self.asked) <= self.stops_after:
+            proposal.ahead_forward_ms = self.forward_ms
+        return proposal
+
+
+def test_a_drafter_that_drafts_ahead_has_its_rounds_priced_so():
+    """A drafter that says it drafts ahead (`AheadReporter`) sets the policy's mode when the session opens
+    (the first k is still the prior costs'); each proposal's reported forward cost, not the round's wait,
+    is then the policy's draft cost. A drafter that stops saying it (a failover to one that does not draft
+    ahead) turns the mode off."""
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    ahead = AheadDrafter(ms_per_token=0.5, forward_ms=19.0)
+    policy = AdaptiveK()
+    events = asyncio.run(generate_async(ReportingTarget(step_ms=28.0), ahead, [1, 2, 3], params, k_policy=policy))
+    assert [t for event in events for t in event.token_ids] == _expected()
+    assert ahead.asked[0] > 0 and policy.drafts_ahead and policy.draft_ms_per_token == 19.0
+    stops = AheadDrafter(ms_per_token=0.5, forward_ms=19.0, stops_after=1)
+    policy = AdaptiveK()
+    asyncio.run(generate_async(ReportingTarget(step_ms=28.0), stops, [1, 2, 3], params, k_policy=policy))
+    assert len(stops.asked) > 1 and not policy.drafts_ahead

@@ -61,6 +61,7 @@ class DraftOpenSessionResponse(_message.Message):
     TTL_MS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    DRAFTS_AHEAD_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     ttl_ms: _builtins.int
     """the session expires after this long without a call"""
@@ -68,6 +69,10 @@ class DraftOpenSessionResponse(_message.Message):
     """the request seed the drafter's generator derives from (draft_seed(seed))"""
     ms_per_token: _builtins.float
     """what a draft token costs on this service now (its one-token forward,"""
+    drafts_ahead: _builtins.bool
+    """recent average); unset until one ran. The caller's k policy prior
+    this service drafts the session's next round while its last one is
+    """
     def __init__(
         self,
         *,
@@ -75,10 +80,11 @@ class DraftOpenSessionResponse(_message.Message):
         ttl_ms: _builtins.int = ...,
         seed: _builtins.int = ...,
         ms_per_token: _builtins.float | None = ...,
+        drafts_ahead: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "ms_per_token", b"ms_per_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "ms_per_token", b"ms_per_token", "seed", b"seed", "session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "drafts_ahead", b"drafts_ahead", "ms_per_token", b"ms_per_token", "seed", b"seed", "session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ms_per_token: _TypeAlias = _typing.Literal["ms_per_token"]  # noqa: Y015
     _WhichOneofArgType__ms_per_token: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token"]  # noqa: Y015
@@ -147,12 +153,18 @@ class ProposeResponse(_message.Message):
     TREE_PARENTS_FIELD_NUMBER: _builtins.int
     ROUND_INDEX_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_ACCEPTANCE_FIELD_NUMBER: _builtins.int
+    AHEAD_FORWARD_MS_FIELD_NUMBER: _builtins.int
     draft_ms: _builtins.float
     """time spent drafting inside the service"""
     round_index: _builtins.int
     """the index of the call this answers"""
     first_token_acceptance: _builtins.float
     """the drafter's own estimate that its first token is accepted"""
+    ahead_forward_ms: _builtins.float
+    """(n-gram drafters); an adaptive caller may skip verifying a draft
+    whose estimate does not pay. Absent: no estimate
+    set when the service drafts ahead for this session: what one of its
+    """
     @_builtins.property
     def draft_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """[<= k] fewer when the drafter has nothing to say (n-gram miss)"""
@@ -174,13 +186,19 @@ class ProposeResponse(_message.Message):
         tree_parents: _abc.Iterable[_builtins.int] | None = ...,
         round_index: _builtins.int = ...,
         first_token_acceptance: _builtins.float | None = ...,
+        ahead_forward_ms: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token_acceptance", b"_first_token_acceptance", "distributions", b"distributions", "first_token_acceptance", b"first_token_acceptance"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ahead_forward_ms", b"_ahead_forward_ms", "_first_token_acceptance", b"_first_token_acceptance", "ahead_forward_ms", b"ahead_forward_ms", "distributions", b"distributions", "first_token_acceptance", b"first_token_acceptance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token_acceptance", b"_first_token_acceptance", "distributions", b"distributions", "draft_ms", b"draft_ms", "draft_token_ids", b"draft_token_ids", "first_token_acceptance", b"first_token_acceptance", "round_index", b"round_index", "tree_parents", b"tree_parents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ahead_forward_ms", b"_ahead_forward_ms", "_first_token_acceptance", b"_first_token_acceptance", "ahead_forward_ms", b"ahead_forward_ms", "distributions", b"distributions", "draft_ms", b"draft_ms", "draft_token_ids", b"draft_token_ids", "first_token_acceptance", b"first_token_acceptance", "round_index", b"round_index", "tree_parents", b"tree_parents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__ahead_forward_ms: _TypeAlias = _typing.Literal["ahead_forward_ms"]  # noqa: Y015
+    _WhichOneofArgType__ahead_forward_ms: _TypeAlias = _typing.Literal["_ahead_forward_ms", b"_ahead_forward_ms"]  # noqa: Y015
     _WhichOneofReturnType__first_token_acceptance: _TypeAlias = _typing.Literal["first_token_acceptance"]  # noqa: Y015
     _WhichOneofArgType__first_token_acceptance: _TypeAlias = _typing.Literal["_first_token_acceptance", b"_first_token_acceptance"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ahead_forward_ms) -> _WhichOneofReturnType__ahead_forward_ms | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__first_token_acceptance) -> _WhichOneofReturnType__first_token_acceptance | None: ...
 
 Global___ProposeResponse: _TypeAlias = ProposeResponse  # noqa: Y015
