@@ -373,9 +373,13 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     def _threads_for_job(self) -> int:
         """Engine thread, before each job: this process's own threads, and the borrowed ones
         (`borrow_threads`) while every open session is in a Run (a Generate stream has no session):
-        none is in a client round then, whose drafts a Draft service on the lent cores may be making."""
+        none is in a client round then, whose drafts a Draft service on the lent cores may be making. The
+        verifier's cost fit (reported to the callers' k policies) skips the borrowed forwards: a one-token
+        step on more threads beside verify forwards on fewer read as a dear token (beta near 1)."""
         own = self.engine_thread.num_threads
-        return own + self.options.borrow_threads if self._running >= self.num_sessions else own
+        borrowing = self._running >= self.num_sessions
+        self.verifier.fit_round_costs = not borrowing  # the fit prices client rounds, which run on `own` alone
+        return own + self.options.borrow_threads if borrowing else own
 
     def _check_fused_k(self, k: int) -> None:
         if self.fused_drafter is None:

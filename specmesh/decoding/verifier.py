@@ -188,6 +188,9 @@ class TargetVerifier:
         # forward ms ~ fixed + per token * tokens over verify rounds (not prefills): the cost a draft token
         # adds, which adaptive k weighs (on a compute-bound low-bit CPU target it is far from the prior)
         self._round_costs = LinearCostFit(min_spread_tokens=0.3)
+        # False while forwards run with more threads than the caller's verify rounds get (a Verify service
+        # borrowing the Draft service's cores for plain Runs): those would read as cheap tokens beside dear ones
+        self.fit_round_costs = True
 
     def forward_cost(self, batch_size: int = 1) -> ForwardCost | None:
         """The fitted cost of this engine's verify forwards (None until rounds of different sizes ran)."""
@@ -259,7 +262,7 @@ class TargetVerifier:
             start = time.perf_counter()
             logits = self.engine.forward(inputs)
             num_fed = sum(len(item.token_ids) for item in inputs)
-            if num_fed == sum(1 + proposal.num_tokens for proposal in proposals):  # rounds only, no catch-up
+            if self.fit_round_costs and num_fed == sum(1 + proposal.num_tokens for proposal in proposals):  # rounds only
                 self._round_costs.observe(num_fed, (time.perf_counter() - start) * 1e3)
         logits = [rows if s.constraint is None else s.constraint.constrain(rows, pr)
                   for s, pr, rows in zip(sessions, proposals, logits)]

@@ -40,6 +40,14 @@ def test_forwards_borrow_threads_only_while_every_session_is_in_a_run(service):
         return verify_many(*args, **kwargs)
 
     servicer.verifier.verify_many = recording
+    fitted: list[int] = []  # the threads of the forwards the verifier's cost fit took in
+    observe = servicer.verifier._round_costs.observe
+
+    def fitting(tokens, ms):
+        fitted.append(torch.get_num_threads())
+        observe(tokens, ms)
+
+    servicer.verifier._round_costs.observe = fitting
 
     async def main() -> dict[str, list[int]]:
         threads = {}
@@ -72,6 +80,8 @@ def test_forwards_borrow_threads_only_while_every_session_is_in_a_run(service):
         threads = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
     finally:
         servicer.verifier.verify_many = verify_many
+        servicer.verifier._round_costs.observe = observe
+    assert fitted and set(fitted) == {own}  # the client round's, and Runs' on its own threads; never a borrowed one
     assert threads["client round"] == [own]
     assert threads["the only session, in a Run"] == [own + 1] * 3
     assert threads["a Run while another session is between calls"] == [own] * 3
