@@ -46,8 +46,8 @@ rounds' draft ms less their modelled wait. v(k) comes from drafting rounds only,
 their verify ms against k + 1, once their k vary; the verifier's own fit is not taken): the drafter's
 forwards beside the verify forward slow it (on a 2-core CPU, 40 ms for 2 tokens against a 23 ms plain
 step), which a fit over plain and drafting forwards together reads as a dear token (beta 1: no draft
-ever pays). Worked example, o = 0: a = 0.9, d = 16 ms,
-v1 = 24 ms, beta = 0.125 (a bf16 self-draft and an fp32 target, a core each):
+ever pays). Worked example, o = 0: a = 0.9, d = 16 ms, v1 = 24 ms, beta = 0.125 (a bf16 self-draft
+and an fp32 target, a core each):
     k=0: 1 / 24 = 0.042 tok/ms
     drafts not ahead: k=1: 1.9 / (16 + 27) = 0.044      k=4: 4.10 / (64 + 36) = 0.041
     drafting ahead:   k=1: 1.9 / (27 + 0.81 * 5 + 0.19 * 16) = 0.056      k=4: 4.10 / 88.2 = 0.046
