@@ -176,6 +176,12 @@ class NativeEngine:
         chain would have written it (`ModelDrafter.draft_ahead_step`)."""
         return self.model.fast is not None
 
+    @property
+    def cost_steps(self) -> tuple[int, ...]:
+        """New-token counts past which a forward takes another path here, so its cost jumps: the CPU fast path
+        serves up to `fastpath.MAX_ROWS` (a cost profile measures both sides: specmesh/sim/profile.py)."""
+        return (fastpath.MAX_ROWS,) if self.model.fast is not None else ()
+
     def kv_usage(self) -> KvUsage:
         blocks = self.cache.blocks
         return KvUsage(blocks.block_size, blocks.num_blocks, blocks.num_free_blocks)

@@ -7,7 +7,14 @@
 For each context length, `max(rows)` sequences are prefilled once to that length; every grid point
 then times one ragged forward of the first `rows` of them with `tokens_per_row` new tokens each
 (logits as `cost.logits_rows` says) and truncates them back, so the KV pool never grows. The time
-kept is the median of `repeats` runs after `warmup` unrecorded ones. Run it under the thread
+kept is the median of `repeats` runs after `warmup` unrecorded ones.
+
+A forward's cost steps where its work changes kind: past `VERIFY_LOGITS_MAX_TOKENS` new tokens it computes
+one row of logits instead of all, and an engine may take another path past some count (`engine.cost_steps`:
+the native engine's CPU fast path serves up to `fastpath.MAX_ROWS` new tokens; a bfloat16 prefill past it
+runs oneDNN's matmuls, a 33-token one 58 ms on one core of the AVX-512 VM against 99 for 32 tokens). The
+table interpolates linearly, so a grid whose range spans a step gets both sides of it (`tokens_axis`):
+without them a 37-token prompt was priced between 32 and 64 tokens, more than twice what it takes. Run it under the thread
 settings the service will use (torch.set_num_threads): processes on one host share its cores.
 
 `clock`: "wall" times the forward (what it took on this machine as loaded now); "thread_cpu" takes
@@ -34,6 +41,23 @@ PROFILE_TOKENS_PER_ROW = (1, 2, 4, 8, 16, 64, 256)
 PROFILE_CONTEXT = (32, 256, 1024)
 
 
+def tokens_axis(tokens_per_row: Sequence[int], steps: Sequence[int]) -> list[int]:
+    """The tokens-per-row points to measure: those asked for, plus both sides of each step (a count after
+    which a forward's cost jumps) that lies inside their range, so no interpolation crosses a step.
+
+    >>> tokens_axis([1, 5, 64], steps=[32])
+    [1, 5, 32, 33, 64]
+    >>> tokens_axis([1, 8], steps=[32])  # the step is past the grid: nothing to add
+    [1, 8]
+    """
+    axis = set(tokens_per_row)
+    low, high = min(axis), max(axis)
+    for step in steps:
+        if low <= step < high:
+            axis |= {step, step + 1}
+    return sorted(axis)
+
+
 def profile_engine(
     engine: Engine,
     rows: Sequence[int] = PROFILE_ROWS,
@@ -56,7 +80,8 @@ def profile_engine(
         raise ValueError("clock thread_cpu needs 1 torch thread (the forward then runs on the calling thread)")
     ratios: list[float] = []
 
-    rows, tokens_per_row, context = sorted(set(rows)), sorted(set(tokens_per_row)), sorted(set(context))
+    steps = (VERIFY_LOGITS_MAX_TOKENS, *getattr(engine, "cost_steps", ()))
+    rows, tokens_per_row, context = sorted(set(rows)), tokens_axis(tokens_per_row, steps), sorted(set(context))
     if max(context) + max(tokens_per_row) > engine.max_context:
         raise ValueError(f"context {max(context)} + {max(tokens_per_row)} new tokens exceed the model's {engine.max_context}")
     times = [[[0.0] * len(context) for _ in tokens_per_row] for _ in rows]

@@ -68,6 +68,9 @@ def test_profile_tiny_engine_and_dims(tmp_path):
     assert len(t.times_ms) == 2 and all(v > 0 for r in t.times_ms for c in r for v in c)
     assert t.meta["backend"] == "native"
     assert t.forward_ms(2, 8, 32) > 0
+    # a grid spanning the logits step (and the fast path's, where it runs) measures both sides of it
+    t = profile_engine(engine, rows=[1], tokens_per_row=[1, 40], context=[8], repeats=1, warmup=0)
+    assert t.tokens_per_row == [1, 32, 33, 40]
     dims = ModelDims.from_hf_config(str(folder))
     assert dims.vocab_size == engine.vocab_size
 
