@@ -9,6 +9,12 @@
    (the Draft service's self-draft), on a grid covering the batches and prompts the run will see.
    With 1 thread the tables hold each forward's thread CPU time (`profile_engine(clock=
    "thread_cpu")`): its time on a core of its own, however loaded the machine is (it is shared).
+   The grid spans the prompts, so it holds both sides of the forward's cost steps (`tokens_axis`):
+   priced between 32 and 64 tokens, a 37-token bf16 prefill came out at 135 ms against 63 measured,
+   and the Draft service's CPU read 15-17% below its forwards. Then the memory contention
+   (`measure_contention`): an fp32 verify forward on one core and a bf16 draft forward on the other,
+   each alone and then side by side, slow each other by 20-25% (one memory bus); the simulated
+   host's `memory_contention` takes it (runs before 2026-11-28 had neither and read 0).
 2. Start the cluster (Draft with the bf16 self-draft, Verify fp32, Coordinator; loopback, as
    `make run-cluster` does; Prometheus metrics on) and, per concurrency level c, run c closed-loop
    clients of `--requests-per-client` requests each through `specmesh bench`'s `run_level`
@@ -23,7 +29,7 @@
    accepted tokens by position), from the tables of step 1. The Draft and Verify processes share
    one host of `--cores` cores (this machine's count by default), each asking `--threads` of them
    per forward (processor sharing, specmesh/sim/servers.py): with 1 thread each on 2 cores their
-   forwards run side by side, as live. Host variants, the main one first: every process's CPU
+   forwards run side by side, as live, each slowed by the measured memory contention. Host variants, the main one first: every process's CPU
    outside the forwards on the host's cores, measured in the level, not fitted: the Coordinator's and
    the bench client's per message (`coordinator` / `clients` in the sim config): the process's utime
    + stime (/proc/<pid>/stat), less its rate with no request (5 s before the levels), over the
@@ -56,6 +62,7 @@ import platform
 import random
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -220,6 +227,58 @@ def profile_tables(folder: str, threads: int, max_prompt: int, max_new: int, max
     return tables, cpu
 
 
+CONTENTION_S = 6.0  # each forward loop of the memory contention measurement runs this long
+
+
+def forward_loop(folder: str, dtype: str, num_tokens: int, cpu: int, start_at: float, seconds: float) -> float:
+    """One process's part of `measure_contention`: pinned to core `cpu`, 1 torch thread, from wall time
+    `start_at` for `seconds`: forwards of `num_tokens` new tokens (logits at each) after a 60-token prompt,
+    truncated back each time; the median thread CPU ms of a forward."""
+    import torch
+
+    from specmesh.models.engine import SeqInput
+    from specmesh.models.load import load_engine
+
+    os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+    engine = load_engine(folder, dtype=dtype)
+    seq = engine.new_sequence()
+    engine.forward([SeqInput(seq, [100] * 60, [59])])
+    time.sleep(max(0.0, start_at - time.time()))
+    samples, end = [], time.time() + seconds
+    while time.time() < end:
+        start = time.thread_time()
+        engine.forward([SeqInput(seq, [200] * num_tokens, list(range(num_tokens)))])
+        samples.append((time.thread_time() - start) * 1e3)
+        engine.truncate(seq, 60)
+    return statistics.median(samples[1:] or samples)
+
+
+def measure_contention(folder: str, k: int, threads: int) -> dict:
+    """How much forwards on two cores slow each other (the simulated host's `memory_contention`): the
+    Verify service's forward (fp32, k + 1 tokens) on core 0 and the Draft service's (bf16, 1 token) on
+    core 1, each process 1 thread: each alone, then both at once; c = the mean of the two slowdowns
+    less 1 (with two forwards running, each runs at 1 / (1 + c)). Thread CPU time counts a core's cycles
+    stalled on memory, so the slowdown shows in it. Needs 2 cores and 1 thread per model process; else c = 0."""
+    if threads != 1 or len(os.sched_getaffinity(0)) < 2:
+        return {"c": 0.0, "why": "measured only with 1 thread per model process on 2+ cores"}
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    roles = {"verify": ("float32", k + 1, cpus[0]), "draft": ("bfloat16", 1, cpus[1])}
+
+    def run(names: list[str]) -> dict[str, float]:
+        start_at = time.time() + 8.0  # after the processes have loaded the model
+        procs = {name: subprocess.Popen([sys.executable, __file__, "--forward-loop", folder, *map(str, roles[name]),
+                                         str(start_at), str(CONTENTION_S)], stdout=subprocess.PIPE, text=True)
+                 for name in names}
+        return {name: float(proc.communicate()[0].strip().splitlines()[-1]) for name, proc in procs.items()}
+
+    alone = {**run(["verify"]), **run(["draft"])}
+    together = run(["verify", "draft"])
+    slowdown = {name: together[name] / alone[name] for name in roles}
+    return {"c": max(0.0, statistics.fmean(slowdown.values()) - 1.0), "alone_ms": alone, "together_ms": together,
+            "slowdown": slowdown, "cpus": cpus}
+
+
 def steps_equal_chains(folder: str, dtype: str) -> bool:
     """Whether the Draft service's engine (this model and dtype, here) keeps a guess forward's KV when it
     drafts ahead (`NativeEngine.steps_equal_chains`); the simulated Draft server is told the same."""
@@ -282,7 +341,8 @@ def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float
         "drafts": [{"count": 1, "device": "draft", "node": "host", "host": "localhost", "threads": threads,
                     "cpu_ms_per_call": per_call.get("draft", 0.0), "engine_ms_per_call": engine.get("draft", 0.0),
                     "steps_equal_chains": bool(out.get("draft_steps_equal_chains"))}],
-        "hosts": {"localhost": {"cores": out["cores"], "background_threads": background_threads}},
+        "hosts": {"localhost": {"cores": out["cores"], "background_threads": background_threads,
+                                "memory_contention": out.get("memory_contention", {}).get("c", 0.0)}},
         "network": {"coordinator_node": "host", "same_node": {"latency_ms": latency_ms}, "client": {"latency_ms": latency_ms}},
         **{name: {"host": "localhost", "cpu_ms_per_message": ms} for name, ms in (cpu_ms_per_message or {}).items()},
         "speculation": speculation,
@@ -495,7 +555,13 @@ def main() -> int:
                         "(the main host model), each run against the 15%% goal; writes sim_validate_runs.{md,json}")
     parser.add_argument("--resimulate", metavar="JSON", help="skip the profile and the live run: simulate again the tables and "
                         "live levels kept in this results file (e.g. after a simulator change)")
+    parser.add_argument("--forward-loop", nargs=6, metavar=("MODEL", "DTYPE", "TOKENS", "CPU", "START", "SECONDS"),
+                        help=argparse.SUPPRESS)  # one process of measure_contention
     args = parser.parse_args()
+    if args.forward_loop:
+        folder, dtype, tokens, cpu, start_at, seconds = args.forward_loop
+        print(f"{forward_loop(folder, dtype, int(tokens), int(cpu), float(start_at), float(seconds)):.3f}")
+        return 0
     if args.summarize:
         summarize([Path(p) for p in args.summarize])
         return 0
@@ -521,10 +587,13 @@ def main() -> int:
         if args.tables_from:
             kept = json.loads(Path(args.tables_from).read_text())
             out["tables"], out["profile_cpu"], out["tables_from"] = kept["tables"], kept.get("profile_cpu", {}), args.tables_from
+            out["memory_contention"] = kept.get("memory_contention", {"c": 0.0, "why": "not in the tables' file"})
         else:
             tables, out["profile_cpu"] = profile_tables(folder, args.threads, max(prompt_lengths), args.max_new_tokens,
                                                         max(args.concurrency), Path(tmp))
             out["tables"] = {role: json.loads(Path(path).read_text()) for role, path in tables.items()}
+            out["memory_contention"] = measure_contention(folder, args.k, args.threads)
+            print(f"memory contention: {out['memory_contention']}", flush=True)
         if args.draft_ahead:  # how the live Draft service drafts ahead (the first draft ahead feeds 1 or 2 tokens)
             out["draft_steps_equal_chains"] = steps_equal_chains(folder, "bfloat16")
         RESULTS.mkdir(parents=True, exist_ok=True)

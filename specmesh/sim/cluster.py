@@ -228,7 +228,7 @@ class Simulation:
             for i in range(group.count):
                 name = f"target{gi}.{i}"
                 server = TargetServer(self.env, name, cost, self.window, group.max_batch_tokens, group.batch_window_ms,
-                                      group.prefill_chunk_tokens, self._engine(name, group.host, group.threads))
+                                      group.prefill_chunk_tokens, self._engine(name, group.host, group.threads, forwards=True))
                 server.engine_s_per_call = group.engine_ms_per_call / 1e3
                 self.targets[name] = (server, self._link(name, group.node), group.fused_draft_ms_per_token, fused_cost)
                 self._add_rpc_thread(name, group.host, group.cpu_ms_per_call)
@@ -244,7 +244,7 @@ class Simulation:
                 for i in range(dgroup.count):
                     name = f"draft{gi}.{i}"
                     drafter = DraftServer(self.env, name, cost, self.window, dgroup.max_batch_sessions, dgroup.batch_window_ms,
-                                          self._engine(name, dgroup.host, dgroup.threads))
+                                          self._engine(name, dgroup.host, dgroup.threads, forwards=True))
                     drafter.engine_s_per_call = dgroup.engine_ms_per_call / 1e3
                     drafter.steps_equal_chains = dgroup.steps_equal_chains
                     self.drafts.append((drafter, self._link(name, dgroup.node)))
@@ -270,14 +270,16 @@ class Simulation:
         self._turns = make_sampler(wl.turns, "workload.turns")
         self._followup_tokens = make_sampler(wl.followup_tokens, "workload.followup_tokens")
 
-    def _engine(self, name: str, host: str, threads: int) -> Engine:
-        """A service's engine: its own device, or `threads` of a shared host's cores."""
+    def _engine(self, name: str, host: str, threads: int, forwards: bool = False) -> Engine:
+        """A service's engine (`forwards`: a model's) or a process's thread: its own device, or `threads` of a
+        shared host's cores."""
         if not host:
             return DeviceEngine(self.env, name, self.window)
         if host not in self.hosts:
             spec = self.config.hosts.get(host)
-            self.hosts[host] = Host(self.env, host, self.config.host_cores(host), self.window, spec.background_threads if spec else 0.0)
-        return HostedEngine(self.env, self.hosts[host], threads, self.window)
+            self.hosts[host] = Host(self.env, host, self.config.host_cores(host), self.window, spec.background_threads if spec else 0.0,
+                                    spec.memory_contention if spec else 0.0)
+        return HostedEngine(self.env, self.hosts[host], threads, self.window, forwards)
 
     def _process(self, name: str, spec: ProcessCpu) -> Process | None:
         """A process's one thread and its CPU per message; None when its CPU is not modelled."""

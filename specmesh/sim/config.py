@@ -14,8 +14,10 @@ Hosts: a target or draft group with `host: NAME` (count 1: one process) runs on 
 cores, shared with the other services naming it; its `threads` (torch threads, 1 by default: the
 setting its cost table was profiled with) are the cores one of its forwards asks for. Forwards run
 side by side at full speed while the threads asked fit in the cores and slow down in proportion past
-that (servers.py). `hosts: {NAME: {cores: 2, background_threads: 0.5}}` (the second: other load on
-the machine, e.g. measured as its CPU use); a host not listed gets as many cores as its largest
+that (servers.py). `hosts: {NAME: {cores: 2, background_threads: 0.5, memory_contention: 0.2}}` (the second:
+other load on the machine, e.g. measured as its CPU use; the third: how much a model forward slows per other
+forward running beside it, the cores sharing one memory bus, e.g. measured with two processes pinned to
+two cores); a host not listed gets as many cores as its largest
 service has threads (services that each use every core: they share them as if taking turns).
 A group without `host:` has its device to itself.
 
@@ -86,6 +88,9 @@ class DraftGroup:
 class HostSpec:
     cores: int = 1  # cores the forwards of this machine's services share (processor sharing past them)
     background_threads: float = 0.0  # other processes' runnable threads (a time average), sharing the cores alike
+    # each model forward slows by this fraction per other forward running beside it on the host (their cores share
+    # one memory bus: servers.py); 0 = forwards on different cores do not slow each other
+    memory_contention: float = 0.0
 
 
 @dataclass
@@ -201,8 +206,9 @@ class SimConfig:
         groups: list[TargetGroup | DraftGroup] = [*self.targets, *self.drafts]
         if any(g.host and g.count != 1 for g in groups):
             raise ValueError("a group with `host:` stands for one process on that host: count must be 1")
-        if any(g.threads < 1 for g in groups) or any(h.cores < 1 or h.background_threads < 0 for h in self.hosts.values()):
-            raise ValueError("threads and hosts' cores must be >= 1, background_threads >= 0")
+        if any(g.threads < 1 for g in groups) or any(h.cores < 1 or h.background_threads < 0 or h.memory_contention < 0
+                                                  for h in self.hosts.values()):
+            raise ValueError("threads and hosts' cores must be >= 1, background_threads and memory_contention >= 0")
         if any(g.cpu_ms_per_call < 0 or g.engine_ms_per_call < 0 for g in groups):
             raise ValueError("cpu_ms_per_call and engine_ms_per_call of targets and drafts must be >= 0")
         processes = {"coordinator": self.coordinator, "clients": self.clients}

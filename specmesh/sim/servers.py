@@ -19,9 +19,14 @@ load, `background_threads`, counts as threads asked). Worked example
 5 ms -> the first two run at full speed to 5 ms, then all three at 2/3 speed: the first two end at
 5 + 5 / (2/3) = 12.5 ms; the third has done 7.5 * 2/3 = 5 ms of its work by then, runs the rest
 alone at full speed and ends at 17.5 ms. No randomness: the same run gives the same schedule.
-Assumptions: a forward's time scales with the share of the cores it gets (exact for 1-thread
-forwards time-sliced on a core; optimistic for multi-thread OpenMP teams that oversubscribe cores,
-which spin and lose more than their share); memory bandwidth and caches are not shared. CPU outside
+Memory: the host's cores share one memory bus, and a model forward streams its weights, so forwards side
+by side slow each other even on cores of their own: with `memory_contention` c, each forward runs at
+1 / (1 + c (m - 1)) of its share while m forwards run (the processes' CPU jobs neither slow nor are
+slowed: they touch little memory). Measured on the 2-core AVX-512 VM, each process pinned to a core:
+an fp32 5-token verify 35.8 -> 42.1 ms beside bf16 one-token forwards, which went 13.6 -> 17.4 ms (c
+about 0.2-0.3). Assumptions: a forward's time scales with the share of the cores it gets (exact for
+1-thread forwards time-sliced on a core; optimistic for multi-thread OpenMP teams that oversubscribe
+cores, which spin and lose more than their share); caches are not shared. CPU outside
 the forwards is on the host only where the config gives it: the coordinator's and the clients' per
 message, the services' per call on their RPC threads (`Process` in cluster.py): 1-thread
 `HostedEngine` jobs; otherwise it lives in the per-message latency.
@@ -140,30 +145,40 @@ class Host:
 
     DONE_S = 1e-9  # work left under this (float rounding of the clock) counts as finished
 
-    def __init__(self, env: simpy.Environment, name: str, cores: int, window: Window, background_threads: float = 0.0):
+    def __init__(self, env: simpy.Environment, name: str, cores: int, window: Window, background_threads: float = 0.0,
+                 memory_contention: float = 0.0):
         self.env = env
         self.name = name
         self.cores = cores
         self.background_threads = background_threads  # other load: runnable threads that share the cores alike
+        self.memory_contention = memory_contention  # a forward's slowdown per other forward beside it (module docstring)
         self.window = window
         self.running: list[_Job] = []
         self.threads_asked = 0  # of the running jobs
+        self.forwards_running = 0  # of the running jobs, those of model engines
         self.core_busy_s = 0.0  # core-seconds in use inside the window
         self._since_s = 0.0
         self._timer_id = 0
 
     def speed(self) -> float:
-        """The fraction of full speed every running forward gets now."""
+        """The share of the cores every running job gets now (the fraction of full speed of a job that is
+        not a forward slowed by the others beside it: `job_speed`)."""
         demand = self.threads_asked + self.background_threads
         return 1.0 if demand <= self.cores else self.cores / demand
+
+    def job_speed(self, job: _Job) -> float:
+        """The fraction of full speed `job` runs at now: its share of the cores, less, for a forward, the
+        memory bus it shares with the other forwards running."""
+        if not job.engine.forwards:
+            return self.speed()
+        return self.speed() / (1.0 + self.memory_contention * (self.forwards_running - 1))
 
     def _advance(self) -> None:
         now = self.env.now
         elapsed = now - self._since_s
         if elapsed > 0 and self.running:
-            work = elapsed * self.speed()
             for job in self.running:
-                job.remaining_s -= work
+                job.remaining_s -= elapsed * self.job_speed(job)
             self.core_busy_s += self.threads_asked * self.speed() * self.window.overlap_s(self._since_s, now)
         self._since_s = now
 
@@ -176,14 +191,15 @@ class Host:
         self._timer_id += 1
         if self.running:
             timer_id = self._timer_id
-            first_s = min(job.remaining_s for job in self.running)
-            timer = self.env.timeout(max(0.0, first_s) / self.speed())
+            first_s = min(max(0.0, job.remaining_s) / self.job_speed(job) for job in self.running)
+            timer = self.env.timeout(first_s)
             timer.callbacks.append(lambda _event: self._on_timer(timer_id))
 
     def admit(self, job: _Job) -> None:
         self._advance()
         self.running.append(job)
         self.threads_asked += job.engine.threads
+        self.forwards_running += job.engine.forwards
         self._schedule()
 
     def _on_timer(self, timer_id: int) -> None:
@@ -193,6 +209,7 @@ class Host:
         finished = [job for job in self.running if job.remaining_s <= self.DONE_S]
         self.running = [job for job in self.running if job.remaining_s > self.DONE_S]
         self.threads_asked -= sum(job.engine.threads for job in finished)
+        self.forwards_running -= sum(job.engine.forwards for job in finished)
         self._schedule()
         for job in finished:
             job.engine.finished(job)
@@ -200,12 +217,14 @@ class Host:
 
 class HostedEngine:
     """The engine thread of a service on a shared `Host`: its own forwards one at a time, FIFO, each
-    asking the host for `threads` cores while it runs."""
+    asking the host for `threads` cores while it runs (`forwards`: a model's, which share the memory bus;
+    else a process's thread)."""
 
-    def __init__(self, env: simpy.Environment, host: Host, threads: int, window: Window):
+    def __init__(self, env: simpy.Environment, host: Host, threads: int, window: Window, forwards: bool = False):
         self.env = env
         self.host = host
         self.threads = threads
+        self.forwards = forwards
         self.window = window
         self.busy_s = 0.0  # wall time with a forward running, inside the window
         self.num_jobs = 0

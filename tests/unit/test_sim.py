@@ -203,6 +203,25 @@ def test_three_single_thread_services_on_two_cores():
     assert result.summary["hosts"]["box"]["core_utilisation"] == pytest.approx(0.030 / 2)
 
 
+def test_memory_contention_slows_forwards_side_by_side():
+    """Two Verify services (1 thread each) on a 2-core host sharing one memory bus (memory_contention 0.5),
+    one 10 ms prefill each, arriving at 0 and 5 ms:
+        [0, 5]: the first alone, full speed: 5 ms of work left
+        from 5: two forwards side by side, each at 1 / (1 + 0.5) speed: the first ends at 5 + 5 * 1.5 = 12.5
+        the second did 7.5 / 1.5 = 5 ms of work by then; 5 ms left, alone: ends at 17.5 (ttft 12.5)
+    Without contention the two cores run them apart at full speed: 10 and 15 ms."""
+    def ends(contention: float) -> list[float]:
+        result = simulate(config_from_dict(base_config(
+            mode="autoregressive", duration_s=1, burn_in_s=0, router={"name": "round_robin"},
+            targets=[{"count": 1, "device": "target", "host": "box"} for _ in range(2)],
+            hosts={"box": {"cores": 2, "memory_contention": contention}},
+            workload={"arrival": "trace", "trace": [{"arrival_s": t, "prompt_tokens": 8, "output_tokens": 1} for t in (0.0, 0.005)]})))
+        return [r.end_s for r in result.requests]
+
+    assert ends(0.5) == [pytest.approx(0.0125), pytest.approx(0.0175)]
+    assert ends(0.0) == [pytest.approx(0.010), pytest.approx(0.015)]
+
+
 def test_background_load_shares_the_cores():
     """Other processes' load counts as threads asked: one 10 ms prefill (1 thread) on 2 cores beside
     2 background threads runs at 2 / 3 speed and takes 15 ms; beside 1, it fits and takes 10 ms."""
