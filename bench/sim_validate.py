@@ -850,7 +850,8 @@ def compare(out: dict) -> None:
             levels = []
             for group in groups:
                 sims = [simulate_level(sim_config(out, tables, lv, latency_ms, **inputs[id(lv)])) for lv in group]
-                sim = {key: statistics.median(s[key] for s in sims) for key in sims[0]}
+                keys = {key: None for s in sims for key in s}  # a process's cores only where it ran in that repeat
+                sim = {key: statistics.median(s.get(key, 0.0) for s in sims) for key in keys}
                 figures = live_figures(group)
                 given = [inputs[id(lv)] for lv in group]
                 level = {"clients": group[0]["clients"], "repeats": len(group), "live": figures,
