@@ -63,7 +63,17 @@ from specmesh.routing.replica_set import ReplicaSet
 from specmesh.sim.config import Link, ProcessCpu, SimConfig
 from specmesh.sim.cost import CostModel, CostTable, LinearCost, RooflineCost, device_spec, model_dims
 from specmesh.sim.results import DeviceRecord, RequestRecord, SimResult, summarize
-from specmesh.sim.servers import DeviceEngine, DraftServer, Engine, Host, HostedEngine, NetLink, TargetServer, Window
+from specmesh.sim.servers import (
+    BatchingServer,
+    DeviceEngine,
+    DraftServer,
+    Engine,
+    Host,
+    HostedEngine,
+    NetLink,
+    TargetServer,
+    Window,
+)
 from specmesh.sim.workload import AcceptanceModel, conditional_from_marginal, load_trace, make_sampler
 
 
@@ -423,8 +433,8 @@ class Simulation:
             draft_rpc = self.rpc_threads.get(draft.name)
             draft.num_sessions += 1  # Draft.OpenSession only records the prompt: the first Propose prefills it
 
-        # Generate, Draft.OpenSession (request, response), the Verify.OpenSession request
-        yield from self._handle(coordinator, env.now, 2 if draft is None else 4)
+        # Generate, the Verify.OpenSession request
+        yield from self._handle(coordinator, env.now, 2)
         yield env.timeout(link.send_down(env.now, overhead + per_token * num_prompt) - env.now)
         yield from self._handle(target_rpc, env.now, 1)  # Verify.OpenSession at the service
         for job_ms in server.prefill_jobs_ms(num_prompt):
@@ -440,7 +450,9 @@ class Simulation:
         trace_offset = conv_id % len(self.acceptance.trace) if self.acceptance.trace else 0  # sessions start apart
         fused_opened = False
         draft_opened = draft is not None and max_new_tokens > 1  # the driver opens it after the first token
-        draft_calls = int(draft_opened)  # calls the Draft service has yet to handle: Draft.OpenSession
+        if draft_opened:  # and awaits it before the first Propose: a job on the Draft engine, behind its forwards
+            assert draft is not None and draft_link is not None
+            t = yield from self._session_call(draft, draft_link, draft_rpc, t)
         rounds = round_state(num_prompt, max_new_tokens, k_max)
         ahead = AheadRun(self._ahead_batcher(draft)) if self.draft_ahead and draft is not None else None
         last_hit = False  # the last round accepted every draft and the drafter's guess
@@ -452,8 +464,7 @@ class Simulation:
                 assert draft is not None and draft_link is not None
                 t = yield from self._handle(coordinator, t, 1)  # the Propose request
                 yield env.timeout(draft_link.send_down(t, overhead + per_token * new_input) - env.now)
-                yield from self._handle(draft_rpc, env.now, draft_calls + 1)  # the Propose (and the OpenSession first)
-                draft_calls = 0
+                yield from self._handle(draft_rpc, env.now, 1)  # the Propose
                 served = 0
                 if ahead is not None:  # the drafting ahead stops; a forward under way ends first
                     served = yield from ahead.on_propose(env, k, last_hit)
@@ -501,12 +512,12 @@ class Simulation:
         if draft is not None:
             draft.num_sessions -= 1
         record.num_output_tokens = generated
-        if coordinator is not None:  # CloseSession (request, response) at the Verify and the Draft service, after the last reply
-            coordinator.run(2 if draft is None else 4, env.now in self.window)
-        if target_rpc is not None:  # each service's CloseSession, once the last reply is handled: off the path
-            env.process(self._handle(target_rpc, t, 1))
-        if draft_rpc is not None and draft_opened:
-            env.process(self._handle(draft_rpc, t, draft_calls + 1))
+        # the driver closes its sessions (Verify, then Draft) before the client's stream ends: each a call
+        # whose job on the service's engine waits behind the forwards queued there
+        t = yield from self._session_call(server, link, target_rpc, t)
+        if draft_opened:
+            assert draft is not None and draft_link is not None
+            t = yield from self._session_call(draft, draft_link, draft_rpc, t)
         if delivery is None:
             record.end_s = t + self._client_s(overhead + per_token)
         if t > env.now:
@@ -515,9 +526,23 @@ class Simulation:
         if draft_replica is not None:
             self.draft_set.finish(draft_replica, env.now - open_s, generated)
         if delivery is not None:
-            yield delivery  # sets end_s
+            yield delivery  # sets end_s: the last tokens reached the client
+            record.end_s = max(record.end_s, t + self._client_s(overhead))  # and so did the stream's end
         elif record.end_s > env.now:
             yield env.timeout(record.end_s - env.now)
+
+    def _session_call(self, server: BatchingServer, link: NetLink, rpc: Process | None, t_s: float):
+        """The coordinator's OpenSession / CloseSession call to a service, sent from `t_s`: its request and
+        response handled by the coordinator and the service's RPC thread, and a job of no work on the
+        service's engine, which runs once the engine's queued jobs have; returns when the coordinator has
+        the response."""
+        env = self.env
+        t = yield from self._handle(self.coordinator, t_s, 1)  # the request
+        yield env.timeout(link.send_down(t, self._overhead) - env.now)
+        yield from self._handle(rpc, env.now, 1)
+        yield server.run_job(0.0)
+        t = link.send_up(env.now, self._overhead)
+        return (yield from self._handle(self.coordinator, t, 1))  # the response
 
     def _ahead_batcher(self, draft: DraftServer) -> AheadBatcher:
         if draft.name not in self._ahead_batchers:

@@ -38,7 +38,9 @@ plus `engine_ms_per_call` per call it holds: the engine thread's own work outsid
 service (`TargetServer`) counts tokens against `max_batch_tokens`; the Draft service
 (`DraftServer`) counts sessions against `max_batch_sessions`. Prefill chunks are engine jobs too
 (`target_service.servicer._prefill`), so they interleave with batches in FIFO order, each delaying
-the rounds queued behind it by one chunk.
+the rounds queued behind it by one chunk. So are the sessions' OpenSession / CloseSession calls (jobs of
+no work that wait their turn): the driver awaits the Draft session's opening before the first Propose
+and closes both sessions before the client's stream ends (cluster.py `_session_call`).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class FifoServer:
         self.window = window
         self.free_at_s = 0.0
         self.busy_s = 0.0  # inside the window
-        self.num_jobs = 0  # started inside the window
+        self.num_jobs = 0  # started inside the window (those of no work, a session call's turn, aside)
 
     def reserve(self, now_s: float, service_s: float) -> float:
         """The end time of a job handed over at `now_s`."""
@@ -84,7 +86,7 @@ class FifoServer:
         end = start + service_s
         self.free_at_s = end
         self.busy_s += self.window.overlap_s(start, end)
-        if start in self.window:
+        if start in self.window and service_s > 0:
             self.num_jobs += 1
         return end
 
@@ -232,6 +234,8 @@ class HostedEngine:
         self._pending: deque[tuple[float, simpy.Event]] = deque()
 
     def run(self, service_s: float) -> simpy.Event:
+        if not self._running and service_s <= 0:  # no work, nothing ahead of it: done now (as on a `DeviceEngine`)
+            return self.env.timeout(0)
         done = self.env.event()
         if self._running:
             self._pending.append((service_s, done))
@@ -249,6 +253,8 @@ class HostedEngine:
         self.busy_s += self.window.overlap_s(job.start_s, self.env.now)
         job.done.succeed()
         self._running = False
+        while self._pending and self._pending[0][0] <= 0:  # jobs of no work (a session call's turn) end as they start
+            self._pending.popleft()[1].succeed()
         if self._pending:
             self._start(*self._pending.popleft())
 

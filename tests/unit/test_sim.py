@@ -157,13 +157,14 @@ def host_schedule(cores: int):
 def test_two_services_on_two_cores_overlap():
     """2 cores, 1 thread each: the draft and verify forwards run side by side at full speed, as on
     separate devices:
-        A: prefill [0, 10]; draft [10, 14]; verify waits for B's prefill: [20, 30]   -> e2e 30 ms
+        A: prefill [0, 10]; draft [10, 14]; verify waits for B's prefill: [20, 30]; its
+           Verify.CloseSession waits for the engine to finish B's verify              -> e2e 40 ms
         B: prefill [10, 20] (beside A's draft); draft [20, 24] (beside A's verify);
            verify [30, 40]                                                       -> e2e 30 ms
     """
     result = host_schedule(cores=2)
     a, b = result.requests
-    assert (a.e2e_s, b.e2e_s) == (pytest.approx(0.030), pytest.approx(0.030))
+    assert (a.e2e_s, b.e2e_s) == (pytest.approx(0.040), pytest.approx(0.030))
     assert (a.ttft_s, b.ttft_s) == (pytest.approx(0.010), pytest.approx(0.010))
     target, draft = sorted(result.devices, key=lambda d: d.kind, reverse=True)
     assert (target.busy_s, draft.busy_s) == (pytest.approx(0.040), pytest.approx(0.008))
@@ -175,12 +176,13 @@ def test_two_services_on_one_core_share_it():
         B's prefill and A's draft start at 10: both at 1/2; A's draft (4 ms) ends at 18; B's prefill
           has 6 ms left, alone: ends at 24 (B's first token: ttft 14 ms)
         A's verify waits for the target's engine: [24, ...]; B's draft starts at 24 beside it, both
-          at 1/2: B's draft ends at 32, A's verify has 6 ms left: ends at 38     -> A e2e 38 ms
-        B's verify waits for the engine: [38, 48]                                -> B e2e 38 ms
+          at 1/2: B's draft ends at 32, A's verify has 6 ms left: ends at 38
+        B's verify takes the engine at 38: [38, 48], ahead of A's Verify.CloseSession -> A e2e 48 ms
+                                                                                  -> B e2e 38 ms
     The core is busy 48 ms (all the work) of the 1 s window."""
     result = host_schedule(cores=1)
     a, b = result.requests
-    assert (a.e2e_s, b.e2e_s) == (pytest.approx(0.038), pytest.approx(0.038))
+    assert (a.e2e_s, b.e2e_s) == (pytest.approx(0.048), pytest.approx(0.038))
     assert (a.ttft_s, b.ttft_s) == (pytest.approx(0.010), pytest.approx(0.014))
     target, draft = sorted(result.devices, key=lambda d: d.kind, reverse=True)
     assert (target.busy_s, draft.busy_s) == (pytest.approx(0.010 + 0.014 + 0.014 + 0.010), pytest.approx(0.008 + 0.008))
@@ -295,21 +297,22 @@ def test_config_errors_name_the_key():
 
 def test_coordinator_cpu_on_its_own_core_adds_its_messages():
     """test_hand_worked_schedule with the coordinator's CPU at 1 ms per message on a core of its own:
-        t = 1.000  Generate, Draft.OpenSession (2), Verify.OpenSession request: 4 ms -> 1.004;
-                   target prefill -> 1.014; its response -> 1.015; the first token out -> 1.016
+        t = 1.000  Generate, Verify.OpenSession request: 2 ms -> 1.002; target prefill -> 1.012;
+                   its response -> 1.013; the first token out -> 1.014 (TTFT 14 ms)
+                   Draft.OpenSession request and response -> 1.016
         round 1: Propose request -> 1.017; draft 3 x 1 ms -> 1.020; Propose response and Verify
                  request -> 1.022; verify -> 1.032; its response -> 1.033; the tokens out -> 1.034
         rounds 2 and 3 alike: 18 ms each -> 1.052, 1.070
         round 4 (k = 0, no Propose): Verify request -> 1.071; verify -> 1.081; response, out -> 1.083
-    e2e 83 ms (59 + 24 on the path); 28 messages handled: 10 + 5 per round, less the Propose's 2 in round 4
-    (the 4 CloseSession messages run after the last tokens are out)."""
+        Verify.CloseSession, then Draft.CloseSession (2 messages each) -> 1.087: the stream ends
+    e2e 87 ms (59 + 28 on the path); 28 messages handled: 10 + 5 per round, less the Propose's 2 in round 4."""
     result = simulate(config_from_dict(base_config(
         duration_s=3, burn_in_s=0, speculation={"k": 3, "acceptance_trace": [2, 0, 3]},
         coordinator={"cpu_ms_per_message": 1.0},
         workload={"arrival": "trace", "trace": [{"arrival_s": 1.0, "prompt_tokens": 16, "output_tokens": 10}]})))
     (r,) = result.requests
-    assert r.ttft_s == pytest.approx(0.016)
-    assert r.e2e_s == pytest.approx(0.083)
+    assert r.ttft_s == pytest.approx(0.014)
+    assert r.e2e_s == pytest.approx(0.087)
     coordinator = result.summary["processes"]["coordinator"]
     assert coordinator["num_messages"] == 28
     assert (coordinator["busy_s"], coordinator["cpu_s"]) == (pytest.approx(0.028), pytest.approx(0.028))  # alone: never slowed
@@ -330,12 +333,14 @@ def test_coordinator_cpu_shares_the_host_with_forwards():
     prefill (8 ms left): both at 1/2 speed, B's job ends at 14, A's prefill has 4 ms left, alone: 18.
     B's prefill waits for the engine: from 18, beside A's OpenSession response [18, 22] and A's token
     out [22, 26] (1/2 speed: B's prefill has 6 ms left at 26) -> A's first token at 26 ms.
-    A's CloseSession (2 messages, 4 ms) [26, 34] beside B's prefill, both at 1/2: B's prefill has
-    2 ms left, alone: 36; B's response [36, 38], its token out [38, 40] -> B's TTFT 34 ms.
-    Without the coordinator's CPU: A's TTFT 10 ms, B's 14 ms (B's prefill waits for A's)."""
+    A's CloseSession request [26, 30] beside B's prefill, both at 1/2: B's prefill has 4 ms left,
+    alone: 34; then the close's turn on the engine (no work); B's response [34, 36], A's close response
+    [36, 38] -> A's stream ends at 38; B's token out [38, 40] -> B's TTFT 34 ms; B's CloseSession
+    [40, 44] -> its stream ends at 44. Without the coordinator's CPU: A's TTFT 10 ms, B's 14 ms (B's
+    prefill waits for A's)."""
     a, b = coordinator_on_one_core(2.0).requests
     assert (a.ttft_s, b.ttft_s) == (pytest.approx(0.026), pytest.approx(0.034))
-    assert (a.end_s, b.end_s) == (pytest.approx(0.026), pytest.approx(0.040))
+    assert (a.end_s, b.end_s) == (pytest.approx(0.038), pytest.approx(0.044))
     result = coordinator_on_one_core(2.0)
     assert result.summary["hosts"]["box"]["core_utilisation"] == pytest.approx(0.020 + 0.024)  # prefills + 12 messages
     a, b = coordinator_on_one_core(0.0).requests
@@ -365,12 +370,12 @@ def test_service_cpu_per_call_on_its_own_core():
     """test_hand_worked_schedule with each service's CPU at 1 ms per call, its RPC thread on a core of
     its own (no host), so every call delays its work by 1 ms:
         t = 1.000  Verify.OpenSession [1.000, 1.001]; prefill -> 1.011 (TTFT 11 ms)
-        round 1: Draft.OpenSession + Propose (2 ms) -> 1.013; draft 3 x 1 ms -> 1.016; Verify call
-                 -> 1.017; verify -> 1.027
+        round 1: Draft.OpenSession, then the Propose (2 ms) -> 1.013; draft 3 x 1 ms -> 1.016; Verify
+                 call -> 1.017; verify -> 1.027
         rounds 2 and 3: 1 + 3 + 1 + 10 ms each -> 1.042, 1.057
         round 4 (k = 0): Verify call -> 1.058; verify -> 1.068
-    e2e 68 ms (59 + 9 calls on the path); then each service's CloseSession. Calls handled: Verify 1 +
-    4 + 1, Draft 1 + 3 + 1."""
+        Verify.CloseSession -> 1.069, Draft.CloseSession -> 1.070: the stream ends
+    e2e 70 ms (59 + 11 calls on the path). Calls handled: Verify 1 + 4 + 1, Draft 1 + 3 + 1."""
     result = simulate(config_from_dict(base_config(
         duration_s=3, burn_in_s=0, speculation={"k": 3, "acceptance_trace": [2, 0, 3]},
         targets=[{"count": 1, "device": "target", "cpu_ms_per_call": 1.0}],
@@ -378,7 +383,7 @@ def test_service_cpu_per_call_on_its_own_core():
         workload={"arrival": "trace", "trace": [{"arrival_s": 1.0, "prompt_tokens": 16, "output_tokens": 10}]})))
     (r,) = result.requests
     assert r.ttft_s == pytest.approx(0.011)
-    assert r.e2e_s == pytest.approx(0.068)
+    assert r.e2e_s == pytest.approx(0.070)
     processes = result.summary["processes"]
     assert (processes["target0.0/rpc"]["num_messages"], processes["draft0.0/rpc"]["num_messages"]) == (6, 5)
     assert processes["target0.0/rpc"]["cpu_s"] == pytest.approx(0.006)
@@ -398,12 +403,13 @@ def test_service_cpu_per_call_shares_the_core_with_forwards():
     A: OpenSession [0, 4] alone; prefill from 4. B: its OpenSession from 6 beside A's prefill (8 ms
     left): both at 1/2 speed: B's call ends at 14 (4 ms late), A's prefill has 4 ms left, alone: ends
     at 18 (4 ms late) -> A's first token. A's CloseSession (4 ms) from 18 beside B's prefill (which
-    waited for the engine), both at 1/2: the close ends at 26, B's prefill has 6 ms left, alone: 32
-    -> B's TTFT 26 ms. Without the CPU per call: A's TTFT 10 ms, B's 14 ms."""
+    waited for the engine), both at 1/2: the call ends at 26, B's prefill has 6 ms left, alone: 32
+    -> B's TTFT 26 ms; A's close has its turn on the engine then: A's stream ends at 32. B's
+    CloseSession [32, 36]. Without the CPU per call: A's TTFT 10 ms, B's 14 ms."""
     result = service_cpu_on_one_core(4.0)
     a, b = result.requests
     assert (a.ttft_s, b.ttft_s) == (pytest.approx(0.018), pytest.approx(0.026))
-    assert (a.end_s, b.end_s) == (pytest.approx(0.018), pytest.approx(0.032))
+    assert (a.end_s, b.end_s) == (pytest.approx(0.032), pytest.approx(0.036))
     assert result.summary["hosts"]["box"]["core_utilisation"] == pytest.approx(0.020 + 0.016)  # prefills + 4 calls
     assert result.summary["processes"]["target0.0/rpc"]["busy_s"] == pytest.approx(0.004 + 0.008 + 0.008 + 0.004)
     a, b = service_cpu_on_one_core(0.0).requests
