@@ -13,8 +13,9 @@
    priced between 32 and 64 tokens, a 37-token bf16 prefill came out at 135 ms against 63 measured,
    and the Draft service's CPU read 15-17% below its forwards. Then the memory contention
    (`measure_contention`): an fp32 verify forward on one core and a bf16 draft forward on the other,
-   each alone and then side by side, slow each other by 20-25% (one memory bus); the simulated
-   host's `memory_contention` takes it (runs before 2026-11-28 had neither and read 0).
+   each alone and then side by side, in alternating 2 s phases (measured once, alone then together,
+   it read anywhere from 0.01 to 0.33 within an hour); the simulated host's `memory_contention` takes
+   it (runs before 2026-11-28 had neither and read 0).
 2. Start the cluster (Draft with the bf16 self-draft, Verify fp32, Coordinator; loopback, as
    `make run-cluster` does; Prometheus metrics on) and, per concurrency level c, run c closed-loop
    clients of `--requests-per-client` requests each through `specmesh bench`'s `run_level`
@@ -227,13 +228,17 @@ def profile_tables(folder: str, threads: int, max_prompt: int, max_new: int, max
     return tables, cpu
 
 
-CONTENTION_S = 6.0  # each forward loop of the memory contention measurement runs this long
+CONTENTION_PHASE_S = 2.0  # the contention measurement alternates phases this long: verify alone, draft alone, both
+CONTENTION_CYCLES = 6
 
 
-def forward_loop(folder: str, dtype: str, num_tokens: int, cpu: int, start_at: float, seconds: float) -> float:
+def forward_loop(folder: str, dtype: str, num_tokens: int, cpu: int, start_at: float, active: str) -> dict[str, list[float]]:
     """One process's part of `measure_contention`: pinned to core `cpu`, 1 torch thread, from wall time
-    `start_at` for `seconds`: forwards of `num_tokens` new tokens (logits at each) after a 60-token prompt,
-    truncated back each time; the median thread CPU ms of a forward."""
+    `start_at`, CONTENTION_CYCLES cycles of three phases (verify alone, draft alone, both), active in the
+    phases whose digit in `active` is 1 ("101": the first and the third): forwards of `num_tokens` new
+    tokens (logits at each) after a 60-token prompt, truncated back each time, none started in a phase's
+    last 0.15 s (so the other process's phase alone stays alone). Per cycle, the median thread CPU ms of a
+    forward in each active phase ("alone", "both")."""
     import torch
 
     from specmesh.models.engine import SeqInput
@@ -244,39 +249,43 @@ def forward_loop(folder: str, dtype: str, num_tokens: int, cpu: int, start_at: f
     engine = load_engine(folder, dtype=dtype)
     seq = engine.new_sequence()
     engine.forward([SeqInput(seq, [100] * 60, [59])])
-    time.sleep(max(0.0, start_at - time.time()))
-    samples, end = [], time.time() + seconds
-    while time.time() < end:
-        start = time.thread_time()
-        engine.forward([SeqInput(seq, [200] * num_tokens, list(range(num_tokens)))])
-        samples.append((time.thread_time() - start) * 1e3)
-        engine.truncate(seq, 60)
-    return statistics.median(samples[1:] or samples)
+    out: dict[str, list[float]] = {"alone": [], "both": []}
+    for cycle in range(CONTENTION_CYCLES):
+        for phase, on in enumerate(active):
+            phase_start = start_at + (cycle * len(active) + phase) * CONTENTION_PHASE_S
+            if on != "1":
+                continue
+            time.sleep(max(0.0, phase_start - time.time()))
+            samples, stop = [], phase_start + CONTENTION_PHASE_S - 0.15
+            while time.time() < stop:
+                begin = time.thread_time()
+                engine.forward([SeqInput(seq, [200] * num_tokens, list(range(num_tokens)))])
+                samples.append((time.thread_time() - begin) * 1e3)
+                engine.truncate(seq, 60)
+            out["both" if phase == len(active) - 1 else "alone"].append(statistics.median(samples[1:] or samples))
+    return out
 
 
 def measure_contention(folder: str, k: int, threads: int) -> dict:
     """How much forwards on two cores slow each other (the simulated host's `memory_contention`): the
     Verify service's forward (fp32, k + 1 tokens) on core 0 and the Draft service's (bf16, 1 token) on
-    core 1, each process 1 thread: each alone, then both at once; c = the mean of the two slowdowns
-    less 1 (with two forwards running, each runs at 1 / (1 + c)). Thread CPU time counts a core's cycles
-    stalled on memory, so the slowdown shows in it. Needs 2 cores and 1 thread per model process; else c = 0."""
+    core 1, each process 1 thread, in CONTENTION_CYCLES cycles of three 2 s phases: verify alone, draft
+    alone, both at once. Each cycle gives each side a slowdown (both / alone, that cycle's medians:
+    phases seconds apart, so the machine's drift over a minute does not enter it); c = the mean of the
+    two sides' median slowdowns, less 1 (with two forwards running, each runs at 1 / (1 + c)). Thread
+    CPU time counts a core's cycles stalled on memory, so the slowdown shows in it. Needs 2 cores and 1
+    thread per model process; else c = 0."""
     if threads != 1 or len(os.sched_getaffinity(0)) < 2:
         return {"c": 0.0, "why": "measured only with 1 thread per model process on 2+ cores"}
     cpus = sorted(os.sched_getaffinity(0))[:2]
-    roles = {"verify": ("float32", k + 1, cpus[0]), "draft": ("bfloat16", 1, cpus[1])}
-
-    def run(names: list[str]) -> dict[str, float]:
-        start_at = time.time() + 8.0  # after the processes have loaded the model
-        procs = {name: subprocess.Popen([sys.executable, __file__, "--forward-loop", folder, *map(str, roles[name]),
-                                         str(start_at), str(CONTENTION_S)], stdout=subprocess.PIPE, text=True)
-                 for name in names}
-        return {name: float(proc.communicate()[0].strip().splitlines()[-1]) for name, proc in procs.items()}
-
-    alone = {**run(["verify"]), **run(["draft"])}
-    together = run(["verify", "draft"])
-    slowdown = {name: together[name] / alone[name] for name in roles}
-    return {"c": max(0.0, statistics.fmean(slowdown.values()) - 1.0), "alone_ms": alone, "together_ms": together,
-            "slowdown": slowdown, "cpus": cpus}
+    roles = {"verify": ("float32", k + 1, cpus[0], "101"), "draft": ("bfloat16", 1, cpus[1], "011")}
+    start_at = time.time() + 15.0  # after both processes have loaded the model
+    procs = {name: subprocess.Popen([sys.executable, __file__, "--forward-loop", folder, *map(str, role[:3]), str(start_at),
+                                     role[3]], stdout=subprocess.PIPE, text=True) for name, role in roles.items()}
+    medians = {name: json.loads(proc.communicate()[0].strip().splitlines()[-1]) for name, proc in procs.items()}
+    slowdown = {name: statistics.median(both / alone for alone, both in zip(m["alone"], m["both"])) for name, m in medians.items()}
+    return {"c": max(0.0, statistics.fmean(slowdown.values()) - 1.0), "slowdown": slowdown, "per_cycle_ms": medians,
+            "cpus": cpus, "phase_s": CONTENTION_PHASE_S, "cycles": CONTENTION_CYCLES}
 
 
 def steps_equal_chains(folder: str, dtype: str) -> bool:
@@ -555,12 +564,12 @@ def main() -> int:
                         "(the main host model), each run against the 15%% goal; writes sim_validate_runs.{md,json}")
     parser.add_argument("--resimulate", metavar="JSON", help="skip the profile and the live run: simulate again the tables and "
                         "live levels kept in this results file (e.g. after a simulator change)")
-    parser.add_argument("--forward-loop", nargs=6, metavar=("MODEL", "DTYPE", "TOKENS", "CPU", "START", "SECONDS"),
+    parser.add_argument("--forward-loop", nargs=6, metavar=("MODEL", "DTYPE", "TOKENS", "CPU", "START", "ACTIVE"),
                         help=argparse.SUPPRESS)  # one process of measure_contention
     args = parser.parse_args()
     if args.forward_loop:
-        folder, dtype, tokens, cpu, start_at, seconds = args.forward_loop
-        print(f"{forward_loop(folder, dtype, int(tokens), int(cpu), float(start_at), float(seconds)):.3f}")
+        folder, dtype, tokens, cpu, start_at, active = args.forward_loop
+        print(json.dumps(forward_loop(folder, dtype, int(tokens), int(cpu), float(start_at), active)))
         return 0
     if args.summarize:
         summarize([Path(p) for p in args.summarize])
@@ -814,12 +823,12 @@ def reading(out: dict) -> list[str]:
     lines[0] += (f". What is left at c = {top['clients']} in the main variant: the sim's mean round {top['error']['round_ms_mean']:+.0%} "
                  f"and TTFT {top['error']['ttft_p50_s']:+.0%} against live.")
     live = top["live"]
-    lines += ["", "Not in the sim: the session calls' own time on the request's path. The client's stream ends only after the "
-              "Coordinator's CloseSession calls (Verify, then Draft; its driver closes in `finally`), and the Draft.OpenSession "
-              "after the first token is awaited before the first Propose; each runs on its service's engine thread, queued "
-              f"behind forwards. At c = {top['clients']} the services' metrics give them {live['verify_close_ms']:.0f} + "
-              f"{live['draft_close_ms']:.0f} ms (closes) and {live['draft_open_ms']:.0f} ms (Draft open) per request, against a live "
-              f"p50 of {live['p50_s'] * 1e3:.0f} ms; the sim closes off the path and opens the Draft session inside the first Propose.", ""]
+    lines += ["", "The session calls on the request's path: the client's stream ends only after the Coordinator's CloseSession "
+              "calls (Verify, then Draft; its driver closes in `finally`), and the Draft.OpenSession after the first token is "
+              "awaited before the first Propose; each runs on its service's engine thread, queued behind forwards. At c = "
+              f"{top['clients']} the services' metrics give them {live['verify_close_ms']:.0f} + {live['draft_close_ms']:.0f} ms "
+              f"(closes) and {live['draft_open_ms']:.0f} ms (Draft open) per request, against a live p50 of "
+              f"{live['p50_s'] * 1e3:.0f} ms; the sim has them too (a turn of no work on each engine, since 2026-11-28).", ""]
     return lines
 
 
