@@ -6,8 +6,11 @@
 
 For each context length, `max(rows)` sequences are prefilled once to that length; every grid point
 then times one ragged forward of the first `rows` of them with `tokens_per_row` new tokens each
-(logits as `cost.logits_rows` says) and truncates them back, so the KV pool never grows. The time
-kept is the median of `repeats` runs after `warmup` unrecorded ones.
+(logits as `cost.logits_rows` says) and truncates them back, so the KV pool never grows. The grid is
+swept `warmup` times unrecorded, then `repeats` times (every context length's sequences held at once
+where the KV pool has room, else a group of lengths at a time), and each point keeps the median of its sweeps:
+a point's runs lie a sweep apart, so a stretch of slow machine (a shared host's neighbours) spoils one
+of them, not all (timed back to back, one 30 s stretch made a whole context's column 25-60% dear).
 
 A forward's cost steps where its work changes kind: past `VERIFY_LOGITS_MAX_TOKENS` new tokens it computes
 one row of logits instead of all, and an engine may take another path past some count (`engine.cost_steps`:
@@ -58,6 +61,22 @@ def tokens_axis(tokens_per_row: Sequence[int], steps: Sequence[int]) -> list[int
     return sorted(axis)
 
 
+def _context_groups(engine: Engine, context: Sequence[int], num_seqs: int, max_new: int) -> list[list[int]]:
+    """The context lengths' indices in groups whose sequences the KV pool holds at once (all of them in
+    one group when it can: each sweep then crosses the whole grid)."""
+    usage = engine.kv_usage()
+    groups: list[list[int]] = [[]]
+    used = 0
+    for ci, num_context in enumerate(context):
+        need = num_seqs * -(-(num_context + max_new) // usage.block_size)
+        if groups[-1] and used + need > usage.free_blocks:
+            groups.append([])
+            used = 0
+        groups[-1].append(ci)
+        used += need
+    return groups
+
+
 def profile_engine(
     engine: Engine,
     rows: Sequence[int] = PROFILE_ROWS,
@@ -69,7 +88,7 @@ def profile_engine(
     on_point: Callable[[int, int], None] | None = None,
     clock: str = "wall",
 ) -> CostTable:
-    """The table of median forward times (ms); `on_point(done, total)` after each grid point."""
+    """The table of median forward times (ms); `on_point(done, total)` after each timed forward."""
     import torch
 
     from specmesh.models.engine import SeqInput
@@ -85,33 +104,36 @@ def profile_engine(
     if max(context) + max(tokens_per_row) > engine.max_context:
         raise ValueError(f"context {max(context)} + {max(tokens_per_row)} new tokens exceed the model's {engine.max_context}")
     times = [[[0.0] * len(context) for _ in tokens_per_row] for _ in rows]
-    total, done = len(rows) * len(tokens_per_row) * len(context), 0
+    samples: dict[tuple[int, int, int], list[float]] = {}
+    total, done = len(rows) * len(tokens_per_row) * len(context) * (warmup + repeats), 0
     token_id = min(100, engine.vocab_size - 1)  # any ordinary token: the cost does not depend on which
-    for ci, num_context in enumerate(context):
-        seqs = [engine.new_sequence() for _ in range(max(rows))]
+    for group in _context_groups(engine, context, max(rows), max(tokens_per_row)):
+        seqs = {ci: [engine.new_sequence() for _ in range(max(rows))] for ci in group}
         try:
-            engine.forward([SeqInput(s, [token_id] * num_context, [num_context - 1]) for s in seqs])
-            for ri, num_rows in enumerate(rows):
-                for ti, num_new in enumerate(tokens_per_row):
-                    logits_at = list(range(num_new)) if num_new <= VERIFY_LOGITS_MAX_TOKENS else [num_new - 1]
-                    batch = [SeqInput(s, [token_id] * num_new, logits_at) for s in seqs[:num_rows]]
-                    samples = []
-                    for i in range(warmup + repeats):
-                        start, start_cpu = time.perf_counter(), time.thread_time()
-                        engine.forward(batch)
-                        wall_ms, cpu_ms = (time.perf_counter() - start) * 1e3, (time.thread_time() - start_cpu) * 1e3
-                        for s in seqs[:num_rows]:
-                            engine.truncate(s, num_context)
-                        if i >= warmup:
-                            samples.append(cpu_ms if clock == "thread_cpu" else wall_ms)
-                            ratios.append(wall_ms / cpu_ms if cpu_ms > 0 else 1.0)
-                    times[ri][ti][ci] = statistics.median(samples)
-                    done += 1
-                    if on_point is not None:
-                        on_point(done, total)
+            for ci, group_seqs in seqs.items():
+                engine.forward([SeqInput(s, [token_id] * context[ci], [context[ci] - 1]) for s in group_seqs])
+            for sweep in range(warmup + repeats):
+                for ci, group_seqs in seqs.items():
+                    for ri, num_rows in enumerate(rows):
+                        for ti, num_new in enumerate(tokens_per_row):
+                            logits_at = list(range(num_new)) if num_new <= VERIFY_LOGITS_MAX_TOKENS else [num_new - 1]
+                            start, start_cpu = time.perf_counter(), time.thread_time()
+                            engine.forward([SeqInput(s, [token_id] * num_new, logits_at) for s in group_seqs[:num_rows]])
+                            wall_ms, cpu_ms = (time.perf_counter() - start) * 1e3, (time.thread_time() - start_cpu) * 1e3
+                            for s in group_seqs[:num_rows]:
+                                engine.truncate(s, context[ci])
+                            if sweep >= warmup:
+                                samples.setdefault((ri, ti, ci), []).append(cpu_ms if clock == "thread_cpu" else wall_ms)
+                                ratios.append(wall_ms / cpu_ms if cpu_ms > 0 else 1.0)
+                            done += 1
+                            if on_point is not None:
+                                on_point(done, total)
         finally:
-            for s in seqs:
-                engine.free(s)
+            for group_seqs in seqs.values():
+                for s in group_seqs:
+                    engine.free(s)
+    for (ri, ti, ci), values in samples.items():
+        times[ri][ti][ci] = statistics.median(values)
     info = {"backend": engine.backend, "dtype": str(engine.dtype), "device": str(engine.device),
             "torch_threads": torch.get_num_threads(), "repeats": repeats, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "clock": clock, "wall_over_cpu": round(statistics.fmean(ratios), 3)}

@@ -60,7 +60,7 @@ def test_model_dims_presets_and_overrides():
 def test_profile_tiny_engine_and_dims(tmp_path):
     from specmesh.models.load import load_engine
     from specmesh.models.tiny import make_tiny_model
-    from specmesh.sim.profile import profile_engine
+    from specmesh.sim.profile import _context_groups, profile_engine
 
     folder = make_tiny_model("llama", tmp_path / "tiny")
     engine = load_engine(folder)
@@ -71,6 +71,12 @@ def test_profile_tiny_engine_and_dims(tmp_path):
     # a grid spanning the logits step (and the fast path's, where it runs) measures both sides of it
     t = profile_engine(engine, rows=[1], tokens_per_row=[1, 40], context=[8], repeats=1, warmup=0)
     assert t.tokens_per_row == [1, 32, 33, 40]
+    # every context length's sequences at once where the pool holds them, else in groups that fit
+    free = engine.kv_usage().free_blocks
+    assert _context_groups(engine, [8, 32], 2, 8) == [[0, 1]]
+    block = engine.kv_usage().block_size
+    assert _context_groups(engine, [free * block // 2 - 8, free * block // 2 - 8], 1, 8) == [[0, 1]]
+    assert _context_groups(engine, [free * block // 2, free * block // 2], 1, 8) == [[0], [1]]
     dims = ModelDims.from_hf_config(str(folder))
     assert dims.vocab_size == engine.vocab_size
 
