@@ -288,6 +288,20 @@ def measure_contention(folder: str, k: int, threads: int) -> dict:
             "cpus": cpus, "phase_s": CONTENTION_PHASE_S, "cycles": CONTENTION_CYCLES}
 
 
+def host_contention(out: dict) -> float:
+    """The simulated host's `memory_contention` from `measure_contention`'s slowdowns: the simulator slows a
+    forward of intensity i beside others of summed intensity S by 1 + c i S (specmesh/sim/servers.py), and
+    the measurement ran a one-token draft forward (intensity 1) beside a (k + 1)-token verify, whose
+    intensity is the target table's one-token time over its (k + 1)-token time at the loops' context (60),
+    so c = (each side's slowdown - 1) / that intensity, the mean of the two."""
+    measured = out.get("memory_contention", {})
+    if "slowdown" not in measured:
+        return 0.0
+    target = CostTable.from_json(out["tables"]["target"])
+    verify_intensity = min(1.0, target.forward_ms(1, 1, 60) / target.forward_ms(1, out["k"] + 1, 60))
+    return max(0.0, statistics.fmean(s - 1.0 for s in measured["slowdown"].values()) / verify_intensity)
+
+
 def steps_equal_chains(folder: str, dtype: str) -> bool:
     """Whether the Draft service's engine (this model and dtype, here) keeps a guess forward's KV when it
     drafts ahead (`NativeEngine.steps_equal_chains`); the simulated Draft server is told the same."""
@@ -351,7 +365,7 @@ def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float
                     "cpu_ms_per_call": per_call.get("draft", 0.0), "engine_ms_per_call": engine.get("draft", 0.0),
                     "steps_equal_chains": bool(out.get("draft_steps_equal_chains"))}],
         "hosts": {"localhost": {"cores": out["cores"], "background_threads": background_threads,
-                                "memory_contention": out.get("memory_contention", {}).get("c", 0.0)}},
+                                "memory_contention": host_contention(out)}},
         "network": {"coordinator_node": "host", "same_node": {"latency_ms": latency_ms}, "client": {"latency_ms": latency_ms}},
         **{name: {"host": "localhost", "cpu_ms_per_message": ms} for name, ms in (cpu_ms_per_message or {}).items()},
         "speculation": speculation,

@@ -199,7 +199,8 @@ class AheadBatcher:
             rows = len(runs)
             fed = sum(run.fed_tokens() for run, _ in runs) / rows
             context = sum(run.context + run.forwards for run, _ in runs) / rows
-            job = self.draft.run_job(self.draft.cost.forward_ms(rows, fed, context) / 1e3)
+            job_ms = self.draft.cost.forward_ms(rows, fed, context)
+            job = self.draft.run_job(job_ms / 1e3, self.draft.intensity(job_ms, self.draft.cost.forward_ms(1, 1, context)))
             for run, _ in runs:
                 run.in_flight = job
             yield job
@@ -438,7 +439,7 @@ class Simulation:
         yield env.timeout(link.send_down(env.now, overhead + per_token * num_prompt) - env.now)
         yield from self._handle(target_rpc, env.now, 1)  # Verify.OpenSession at the service
         for job_ms in server.prefill_jobs_ms(num_prompt):
-            yield server.run_job(job_ms / 1e3)
+            yield server.run_job(job_ms / 1e3, server.intensity(job_ms, server.cost.forward_ms(1, 1, num_prompt)))
         server.num_sessions += 1
         t = link.send_up(env.now, overhead + per_token)
         t = yield from self._handle(coordinator, t, 1)  # the first token comes back

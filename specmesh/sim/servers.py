@@ -20,13 +20,18 @@ load, `background_threads`, counts as threads asked). Worked example
 5 + 5 / (2/3) = 12.5 ms; the third has done 7.5 * 2/3 = 5 ms of its work by then, runs the rest
 alone at full speed and ends at 17.5 ms. No randomness: the same run gives the same schedule.
 Memory: the host's cores share one memory bus, and a model forward streams its weights, so forwards side
-by side slow each other even on cores of their own: with `memory_contention` c, each forward runs at
-1 / (1 + c (m - 1)) of its share while m forwards run (the processes' CPU jobs neither slow nor are
-slowed: they touch little memory). Measured on the 2-core AVX-512 VM, each process pinned to a core:
-an fp32 5-token verify 35.8 -> 42.1 ms beside bf16 one-token forwards, which went 13.6 -> 17.4 ms (c
-about 0.2-0.3). Assumptions: a forward's time scales with the share of the cores it gets (exact for
-1-thread forwards time-sliced on a core; optimistic for multi-thread OpenMP teams that oversubscribe
-cores, which spin and lose more than their share); caches are not shared. CPU outside
+by side slow each other even on cores of their own, as much as each leans on the bus. A forward's
+`intensity` is the share of its time spent streaming its weights: its one-row one-token time (the weights
+read once, per forward it holds) over its time, 1 for a decode step, less for a verify chain, a batch of
+rows or a prefill, which reuse each weight they read. With `memory_contention` c, a forward of intensity
+i runs at 1 / (1 + c i S) of its core share, S the summed intensity of the other forwards running (the
+processes' CPU jobs neither slow nor are slowed: they touch little memory). Measured on the 2-core
+AVX-512 VM, each process pinned to a core: an fp32 5-token verify (intensity about 0.67) 35.8 -> 42.1 ms
+beside bf16 one-token forwards (1), which went 13.6 -> 17.4 ms (c about 0.3-0.4); live, at 16 clients
+(batches of 3-5 rows), the services' CPU stayed within 7% of their forwards' priced alone.
+Assumptions: a forward's time scales with the share of the cores it gets (exact for 1-thread forwards
+time-sliced on a core; optimistic for multi-thread OpenMP teams that oversubscribe cores, which spin
+and lose more than their share); caches are not shared. CPU outside
 the forwards is on the host only where the config gives it: the coordinator's and the clients' per
 message, the services' per call on their RPC threads (`Process` in cluster.py): 1-thread
 `HostedEngine` jobs; otherwise it lives in the per-message latency.
@@ -127,8 +132,8 @@ class DeviceEngine:
     def num_jobs(self) -> int:
         return self.fifo.num_jobs
 
-    def run(self, service_s: float) -> simpy.Event:
-        """A forward of `service_s` handed over now; the event fires when it ends."""
+    def run(self, service_s: float, intensity: float = 1.0) -> simpy.Event:
+        """A forward of `service_s` handed over now; the event fires when it ends (`intensity`: for a host)."""
         return self.env.timeout(self.fifo.reserve(self.env.now, service_s) - self.env.now)
 
 
@@ -138,6 +143,7 @@ class _Job:
     remaining_s: float  # work left, in seconds at full speed
     done: simpy.Event
     start_s: float
+    intensity: float = 1.0  # a forward's share of its time streaming weights (module docstring)
 
 
 class Host:
@@ -157,7 +163,7 @@ class Host:
         self.window = window
         self.running: list[_Job] = []
         self.threads_asked = 0  # of the running jobs
-        self.forwards_running = 0  # of the running jobs, those of model engines
+        self.forwards_intensity = 0.0  # of the running jobs, the summed intensity of model engines' forwards
         self.core_busy_s = 0.0  # core-seconds in use inside the window
         self._since_s = 0.0
         self._timer_id = 0
@@ -173,7 +179,8 @@ class Host:
         memory bus it shares with the other forwards running."""
         if not job.engine.forwards:
             return self.speed()
-        return self.speed() / (1.0 + self.memory_contention * (self.forwards_running - 1))
+        others = max(0.0, self.forwards_intensity - job.intensity)
+        return self.speed() / (1.0 + self.memory_contention * job.intensity * others)
 
     def _advance(self) -> None:
         now = self.env.now
@@ -201,7 +208,7 @@ class Host:
         self._advance()
         self.running.append(job)
         self.threads_asked += job.engine.threads
-        self.forwards_running += job.engine.forwards
+        self.forwards_intensity += job.intensity if job.engine.forwards else 0.0
         self._schedule()
 
     def _on_timer(self, timer_id: int) -> None:
@@ -211,7 +218,7 @@ class Host:
         finished = [job for job in self.running if job.remaining_s <= self.DONE_S]
         self.running = [job for job in self.running if job.remaining_s > self.DONE_S]
         self.threads_asked -= sum(job.engine.threads for job in finished)
-        self.forwards_running -= sum(job.engine.forwards for job in finished)
+        self.forwards_intensity -= sum(job.intensity for job in finished if job.engine.forwards)
         self._schedule()
         for job in finished:
             job.engine.finished(job)
@@ -231,23 +238,23 @@ class HostedEngine:
         self.busy_s = 0.0  # wall time with a forward running, inside the window
         self.num_jobs = 0
         self._running = False
-        self._pending: deque[tuple[float, simpy.Event]] = deque()
+        self._pending: deque[tuple[float, simpy.Event, float]] = deque()
 
-    def run(self, service_s: float) -> simpy.Event:
+    def run(self, service_s: float, intensity: float = 1.0) -> simpy.Event:
         if not self._running and service_s <= 0:  # no work, nothing ahead of it: done now (as on a `DeviceEngine`)
             return self.env.timeout(0)
         done = self.env.event()
         if self._running:
-            self._pending.append((service_s, done))
+            self._pending.append((service_s, done, intensity))
         else:
-            self._start(service_s, done)
+            self._start(service_s, done, intensity)
         return done
 
-    def _start(self, service_s: float, done: simpy.Event) -> None:
+    def _start(self, service_s: float, done: simpy.Event, intensity: float) -> None:
         self._running = True
         if self.env.now in self.window:
             self.num_jobs += 1
-        self.host.admit(_Job(self, service_s, done, self.env.now))
+        self.host.admit(_Job(self, service_s, done, self.env.now, intensity))
 
     def finished(self, job: _Job) -> None:
         self.busy_s += self.window.overlap_s(job.start_s, self.env.now)
@@ -326,6 +333,15 @@ class BatchingServer:
         """Engine milliseconds of one batch."""
         raise NotImplementedError
 
+    def floor_ms(self, payloads: list[tuple]) -> float:
+        """What the batch's forwards take when each is one row of one token: its weights streamed once per
+        forward (its `intensity` is this over its time)."""
+        raise NotImplementedError
+
+    def intensity(self, job_ms: float, floor_ms: float) -> float:
+        """A job's share of its time streaming weights (servers.py module docstring: memory)."""
+        return 1.0 if job_ms <= 0 else min(1.0, floor_ms / job_ms)
+
     @property
     def busy_s(self) -> float:
         """Wall time this service's engine ran a forward, inside the window."""
@@ -335,9 +351,9 @@ class BatchingServer:
     def num_jobs(self) -> int:
         return self.engine.num_jobs
 
-    def run_job(self, service_s: float) -> simpy.Event:
+    def run_job(self, service_s: float, intensity: float = 1.0) -> simpy.Event:
         """Hand the engine a job (a batch, a prefill chunk) now; the event fires when it ends."""
-        return self.engine.run(service_s)
+        return self.engine.run(service_s, intensity)
 
     def submit(self, cost: int, payload: tuple) -> simpy.Event:
         """Queue one call; the event fires when its batch has run."""
@@ -372,7 +388,9 @@ class BatchingServer:
                 yield env.timeout(self.window_s)
             batch = self._take()
             self._running = True
-            done = self.run_job(self.batch_ms([c.payload for c in batch]) / 1e3 + len(batch) * self.engine_s_per_call)
+            payloads = [c.payload for c in batch]
+            job_ms = self.batch_ms(payloads)
+            done = self.run_job(job_ms / 1e3 + len(batch) * self.engine_s_per_call, self.intensity(job_ms, self.floor_ms(payloads)))
             if env.now in self.window:
                 self.num_batches += 1
                 self.num_batch_rows += len(batch)
@@ -402,6 +420,9 @@ class TargetServer(BatchingServer):
     def batch_ms(self, payloads: list[tuple]) -> float:
         rows = len(payloads)
         return self.cost.forward_ms(rows, sum(p[0] for p in payloads) / rows, sum(p[1] for p in payloads) / rows)
+
+    def floor_ms(self, payloads: list[tuple]) -> float:
+        return self.cost.forward_ms(1, 1, sum(p[1] for p in payloads) / len(payloads))
 
     def prefill_jobs_ms(self, num_prompt_tokens: int) -> list[float]:
         """The engine jobs of one prefill: chunks of `prefill_chunk_tokens`, then the rest, which
@@ -436,3 +457,7 @@ class DraftServer(BatchingServer):
         for position in range(1, max(p[1] for p in payloads)):
             total += self.cost.forward_ms(sum(1 for p in payloads if p[1] > position), 1, context + position)
         return total
+
+    def floor_ms(self, payloads: list[tuple]) -> float:
+        context = sum(p[2] for p in payloads) / len(payloads)
+        return sum(self.cost.forward_ms(1, 1, context + position) for position in range(max(1, max(p[1] for p in payloads))))

@@ -211,10 +211,14 @@ def test_memory_contention_slows_forwards_side_by_side():
         [0, 5]: the first alone, full speed: 5 ms of work left
         from 5: two forwards side by side, each at 1 / (1 + 0.5) speed: the first ends at 5 + 5 * 1.5 = 12.5
         the second did 7.5 / 1.5 = 5 ms of work by then; 5 ms left, alone: ends at 17.5 (ttft 12.5)
-    Without contention the two cores run them apart at full speed: 10 and 15 ms."""
-    def ends(contention: float) -> list[float]:
+    Without contention the two cores run them apart at full speed: 10 and 15 ms. A forward leans on the
+    bus as much as it streams weights: priced 2 ms + 1 ms a token, an 8-token prefill (10 ms) reads the
+    weights once where a one-token forward would take 3 ms (intensity 0.3): side by side each runs at
+    1 / (1 + 0.5 * 0.3 * 0.3): the first ends at 5 + 5 * 1.045 = 10.225, the second at 15.225."""
+    def ends(contention: float, per_token_ms: float = 0.0) -> list[float]:
         result = simulate(config_from_dict(base_config(
             mode="autoregressive", duration_s=1, burn_in_s=0, router={"name": "round_robin"},
+            devices={"target": {"linear": {"base_ms": 10.0 - 8 * per_token_ms, "per_token_ms": per_token_ms}}},
             targets=[{"count": 1, "device": "target", "host": "box"} for _ in range(2)],
             hosts={"box": {"cores": 2, "memory_contention": contention}},
             workload={"arrival": "trace", "trace": [{"arrival_s": t, "prompt_tokens": 8, "output_tokens": 1} for t in (0.0, 0.005)]})))
@@ -222,6 +226,7 @@ def test_memory_contention_slows_forwards_side_by_side():
 
     assert ends(0.5) == [pytest.approx(0.0125), pytest.approx(0.0175)]
     assert ends(0.0) == [pytest.approx(0.010), pytest.approx(0.015)]
+    assert ends(0.5, per_token_ms=1.0) == [pytest.approx(0.010225), pytest.approx(0.015225)]
 
 
 def test_background_load_shares_the_cores():
