@@ -15,9 +15,9 @@ cores, shared with the other services naming it; its `threads` (torch threads, 1
 setting its cost table was profiled with) are the cores one of its forwards asks for. Forwards run
 side by side at full speed while the threads asked fit in the cores and slow down in proportion past
 that (servers.py). `hosts: {NAME: {cores: 2, background_threads: 0.5, memory_contention: 0.2}}` (the second:
-other load on the machine, e.g. measured as its CPU use; the third: how much a model forward slows per other
-forward running beside it, the cores sharing one memory bus, e.g. measured with two processes pinned to
-two cores); a host not listed gets as many cores as its largest
+other load on the machine, e.g. measured as its CPU use; the third: how much model forwards side by side slow each
+other, the cores sharing one memory bus, weighed by how much each streams weights (servers.py), e.g.
+measured with two processes pinned to two cores); a host not listed gets as many cores as its largest
 service has threads (services that each use every core: they share them as if taking turns).
 A group without `host:` has its device to itself.
 
@@ -88,8 +88,8 @@ class DraftGroup:
 class HostSpec:
     cores: int = 1  # cores the forwards of this machine's services share (processor sharing past them)
     background_threads: float = 0.0  # other processes' runnable threads (a time average), sharing the cores alike
-    # each model forward slows by this fraction per other forward running beside it on the host (their cores share
-    # one memory bus: servers.py); 0 = forwards on different cores do not slow each other
+    # c: a forward streaming weights a share i of its time runs at 1 / (1 + c i S) beside forwards of summed share S
+    # (the cores share one memory bus: servers.py); 0 = forwards on different cores do not slow each other
     memory_contention: float = 0.0
 
 
