@@ -159,7 +159,7 @@ class Host:
         self.name = name
         self.cores = cores
         self.background_threads = background_threads  # other load: runnable threads that share the cores alike
-        self.memory_contention = memory_contention  # a forward's slowdown per other forward beside it (module docstring)
+        self.memory_contention = memory_contention  # c of the memory bus's slowdown, 1 / (1 + c i S) (module docstring)
         self.window = window
         self.running: list[_Job] = []
         self.threads_asked = 0  # of the running jobs
