@@ -271,10 +271,10 @@ def measure_contention(folder: str, k: int, threads: int) -> dict:
     Verify service's forward (fp32, k + 1 tokens) on core 0 and the Draft service's (bf16, 1 token) on
     core 1, each process 1 thread, in CONTENTION_CYCLES cycles of three 2 s phases: verify alone, draft
     alone, both at once. Each cycle gives each side a slowdown (both / alone, that cycle's medians:
-    phases seconds apart, so the machine's drift over a minute does not enter it); c = the mean of the
-    two sides' median slowdowns, less 1 (with two forwards running, each runs at 1 / (1 + c)). Thread
-    CPU time counts a core's cycles stalled on memory, so the slowdown shows in it. Needs 2 cores and 1
-    thread per model process; else c = 0."""
+    phases seconds apart, so the machine's drift over a minute does not enter it); "c" = the mean of the
+    two sides' median slowdowns, less 1, as measured (the simulated host's c weighs it by the verify
+    forward's intensity: `host_contention`). Thread CPU time counts a core's cycles stalled on memory, so
+    the slowdown shows in it. Needs 2 cores and 1 thread per model process; else c = 0."""
     if threads != 1 or len(os.sched_getaffinity(0)) < 2:
         return {"c": 0.0, "why": "measured only with 1 thread per model process on 2+ cores"}
     cpus = sorted(os.sched_getaffinity(0))[:2]
@@ -925,6 +925,11 @@ def compare(out: dict) -> None:
              f"({replayed}). Cost tables: {out['tables']['target']['meta'].get('clock', 'wall')} time (the profile's wall / cpu: "
              f"{slowed}). Machine load (1-min average) before the profile {out['load_average_before'][0]:.1f}, before each level: "
              f"{loads}.", ""]
+    slowdown = out.get("memory_contention", {}).get("slowdown")
+    if slowdown:
+        lines += [f"Memory contention (`measure_contention`): side by side on two cores the verify forward ran "
+                  f"{slowdown['verify']:.2f}x and the draft forward {slowdown['draft']:.2f}x their time alone; the simulated "
+                  f"host's memory_contention c = {host_contention(out):.2f} (specmesh/sim/servers.py).", ""]
     if profile_cpu or any("cpu" in level for level in live):
         others = ", ".join(f"{role} {cpu['others_cores']:.2f}" for role, cpu in profile_cpu.items())
         lines += [f"CPU in use (cores) on this {out['cores']}-core machine, from /proc: other users' during the profile: {others}; "
