@@ -48,6 +48,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.cluster_config import MODULES, ServiceSpec, link_coordinators, load_cluster_config
 from client.supervision import RestartTracker
 from servicekit.channels import open_channel
+from servicekit.core_share import CoreBoard
 from servicekit.options import to_argv
 from servicekit.process import LAST_EXIT_ENV, NUM_RESTARTS_ENV
 from specmesh.proto.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -141,7 +142,13 @@ class Cluster:
         return [spec.address for spec in self.specs if spec.kind == kind]
 
     def command(self, spec: ServiceSpec) -> list[str]:
-        return [self.python, "-m", MODULES[spec.kind], *to_argv({**spec.launch_options, **spec.options})]
+        board = {"core_board": str(self.board_path)} if spec.core_slot >= 0 else {}
+        return [self.python, "-m", MODULES[spec.kind], *to_argv({**spec.launch_options, **board, **spec.options})]
+
+    @property
+    def board_path(self) -> Path:
+        """The core board of the processes that lend or borrow cores (`servicekit.core_share`)."""
+        return self.log_dir / "cores.board"
 
     def environment(self, spec: ServiceSpec) -> dict[str, str]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -209,6 +216,9 @@ class Cluster:
             for (spec, key), port in zip(wanted, free_ports(len(wanted)), strict=True):
                 spec.options[key] = port
             link_coordinators(self.specs)
+            if any(spec.core_slot >= 0 for spec in self.specs):
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                CoreBoard.create(str(self.board_path))
             for spec in self.specs:
                 self._launch(spec)
             for spec in self.specs:

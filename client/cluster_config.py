@@ -12,8 +12,9 @@
         torch_threads: 4   # intra-op threads (OMP_NUM_THREADS); default: this host's cores shared
         cpus: "2-5"        # pin its process to these cores ("0", "0,2", "2-5", a list per replica, or
                            # auto: each model process its own slice of this host's cores); torch_threads follows
-        borrow_cpus: auto  # verify only: cores it may also run on, with a thread each, while none of its
-                           # sessions is in a client round (auto: the cores pinned to this file's draft services)
+        borrow_cpus: auto  # draft and verify: cores it may also run on, a thread each, for an engine job
+                           # while the processes pinned there run none (servicekit/core_share.py; auto: a
+                           # verify service the draft services' cores, a draft service the verify services')
         restart: on-failure  # when its process exits: on-failure (default) | always | never
         max_restarts: 5    # at most this many restarts in restart_window_s (300); client/supervision.py
         ...                # any option of that kind (python -m target_service --help)
@@ -23,8 +24,9 @@
                            # unless given; model: the verify service's, unless given
 
 `replicas`, `torch_threads`, `cpus`, `borrow_cpus` and the restart keys are read by the launcher, every other key is
-passed as a flag (`borrow_cpus` as the verify service's `borrow_threads`, one per borrowed core, unless given,
-by the local launcher only: on Ray or Kubernetes each process is placed apart, with nothing to borrow).
+passed as a flag (`borrow_cpus` as the service's `borrow_threads`, one per borrowed core, unless given, and
+its slot and its lenders' slots on the launcher's core board; by the local launcher only: on Ray or
+Kubernetes each process is placed apart, with nothing to borrow).
 A `defaults` key that a kind lacks (a coordinator has no `device`) is not passed to it; a service's
 own unknown key is an error, named before any process starts.
 """
@@ -40,6 +42,7 @@ from pathlib import Path
 import yaml
 
 from client.supervision import RestartPolicy
+from servicekit.core_share import SLOTS
 
 MODULES = {"draft": "draft_service", "verify": "target_service", "stage": "stage_service", "coordinator": "coordinator",
            "gateway": "gateway"}
@@ -49,7 +52,8 @@ OPTION_CLASSES = {"draft": "draft_service.options:DraftOptions", "verify": "targ
 FRONT_KINDS = ("coordinator", "gateway")  # no model of their own: one thread each, the model services get the cores
 LAUNCHER_KEYS = ("replicas", "torch_threads", "cpus", "borrow_cpus", "restart", "max_restarts",
                  "restart_window_s")  # read here, never passed on
-BORROWING_KINDS = ("verify",)  # kinds that may borrow cores (target_service: --borrow-threads)
+BORROWING_KINDS = ("verify", "draft")  # kinds that may borrow cores (--borrow-threads, servicekit/core_share.py)
+LENDERS_OF = {"verify": "draft", "draft": "verify"}  # borrow_cpus: auto, the cores of the services of that kind
 AUTO_CPUS = "auto"  # cpus: auto, each model process its own slice of the host's cores
 RESTART_KEYS = {"restart": "mode", "max_restarts": "max_restarts", "restart_window_s": "window_s"}  # -> RestartPolicy
 PLACEMENT_KEYS = ("ray", "k8s")  # a service's placement on Ray / Kubernetes: read by `specmesh ray|k8s`, not here
@@ -66,12 +70,18 @@ class ServiceSpec:
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # what the launcher does when its process exits
     cpus: tuple[int, ...] = ()  # cores its process is pinned to; () = not pinned
     borrow_cpus: tuple[int, ...] = ()  # cores it may also run on while lent (`borrow_cpus`); not in `cpus`
+    core_slot: int = -1  # its slot on the launcher's core board (it lends or borrows); -1 = none
+    lender_slots: tuple[int, ...] = ()  # the slots of the processes pinned to its borrowed cores
 
     @property
     def launch_options(self) -> dict:
         """Flags this launcher adds when it starts the process on this host (under `options`, which win):
-        a thread per borrowed core. Not for platforms that place each process apart (Ray, Kubernetes)."""
-        return {"borrow_threads": len(self.borrow_cpus)} if self.borrow_cpus else {}
+        a thread per borrowed core, its slot and its lenders' on the core board (whose file the
+        launcher adds). Not for platforms that place each process apart (Ray, Kubernetes)."""
+        options: dict = {"borrow_threads": len(self.borrow_cpus)} if self.borrow_cpus else {}
+        if self.core_slot >= 0:
+            options.update(core_slot=self.core_slot, lender_slots=",".join(map(str, self.lender_slots)))
+        return options
 
     @property
     def affinity(self) -> tuple[int, ...]:
@@ -209,12 +219,25 @@ def load_cluster_config(path: str | Path, cores: int | None = None) -> list[Serv
 
 
 def _lend_cores(path, specs: list[ServiceSpec], borrowing: list[tuple[ServiceSpec, str]], available: list[int]) -> None:
-    """Each replica's `borrow_cpus` as its borrowed cores (auto: those pinned to the draft services, known once
-    every spec is), less its own; the launcher passes them on as `borrow_threads` (`ServiceSpec.launch_options`)."""
-    drafts = sorted({core for spec in specs if spec.kind == "draft" for core in spec.cpus})
+    """Each replica's `borrow_cpus` as its borrowed cores (auto: those pinned to the services it borrows
+    from, `LENDERS_OF`, known once every spec is), less its own; the launcher passes them on as
+    `borrow_threads` (`ServiceSpec.launch_options`). Every process that lends or borrows gets a slot on
+    the core board, and each borrower its lenders' slots: the processes pinned to its borrowed cores."""
     for spec, value in borrowing:
-        cores = drafts if value == AUTO_CPUS else _pinned(path, spec.group, value, iter(()), available)
+        if value == AUTO_CPUS:
+            cores = sorted({core for other in specs if other.kind == LENDERS_OF[spec.kind] for core in other.cpus})
+        else:
+            cores = list(_pinned(path, spec.group, value, iter(()), available))
         spec.borrow_cpus = tuple(core for core in cores if core not in spec.cpus)
+    lenders = {id(spec): [other for other in specs if other is not spec and set(other.cpus) & set(spec.borrow_cpus)]
+               for spec in specs if spec.borrow_cpus}
+    on_board = [spec for spec in specs if id(spec) in lenders or any(spec in found for found in lenders.values())]
+    if len(on_board) > SLOTS:
+        raise ValueError(f"{path}: {len(on_board)} processes lend or borrow cores; the core board holds {SLOTS}")
+    for slot, spec in enumerate(on_board):
+        spec.core_slot = slot
+    for spec in on_board:
+        spec.lender_slots = tuple(sorted(lender.core_slot for lender in lenders.get(id(spec), [])))
 
 
 def _pinned(path, name: str, cpus, auto_slices, available: list[int]) -> tuple[int, ...]:

@@ -154,7 +154,7 @@ def _cluster_section(runs: list[Run], generator) -> None:
     from client.cluster import Cluster, load_cluster_config
 
     specs = load_cluster_config("configs/local.yaml")  # its placement as shipped: on a 2-core host the Draft service on
-    for spec in specs:  # core 0, the Verify service on core 1 and core 0 while nothing is drafted (borrow_cpus)
+    for spec in specs:  # core 0, the Verify service on core 1, each on the other's too while that one runs nothing (borrow_cpus)
         spec.options["port"] = 0  # free ports, so the demo never collides with a running cluster
         spec.options.pop("metrics_port", None)
     print("starting the local cluster (Draft, Verify, Coordinator and the HTTP gateway, one process each) ...", flush=True)

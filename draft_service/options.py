@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from servicekit.options import ModelOptions, ServerOptions
+from servicekit.options import CoreOptions, ModelOptions, ServerOptions
 from servicekit.quotas import QuotaOptions
 
 DRAFTERS = ("model", "ngram", "ngram-store")
 
 
 @dataclass
-class DraftOptions(ServerOptions, ModelOptions, QuotaOptions):
+class DraftOptions(ServerOptions, ModelOptions, QuotaOptions, CoreOptions):
     port: int = 50051
     drafter: str = "model"  # model | ngram (prompt lookup) | ngram-store (may draft token trees)
     ngram_min_n: int = 1

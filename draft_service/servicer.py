@@ -149,13 +149,20 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         while True:
             await self._ahead_wakeup.wait()
             self._ahead_wakeup.clear()
-            while self._ahead:
-                await self.batcher.wait_idle()  # Propose calls first
-                try:
-                    await self.engine_thread.run(self._ahead_step, list(self._ahead.values()))
-                except Exception:  # noqa: BLE001 - drafting ahead is an optimisation: stop it, serve on demand
-                    log.exception("drafting ahead failed; the sessions queued for it draft on demand")
-                    self._ahead.clear()
+            share = self.engine_thread.core_share  # busy between forwards ahead too (servicekit.core_share)
+            if share is not None and self._ahead:
+                share.hold(True)
+            try:
+                while self._ahead:
+                    await self.batcher.wait_idle()  # Propose calls first
+                    try:
+                        await self.engine_thread.run_unlent(self._ahead_step, list(self._ahead.values()))
+                    except Exception:  # noqa: BLE001 - drafting ahead is an optimisation: stop it, serve on demand
+                        log.exception("drafting ahead failed; the sessions queued for it draft on demand")
+                        self._ahead.clear()
+            finally:
+                if share is not None:
+                    share.hold(False)
 
     def _ahead_step(self, sessions: Sequence[DraftSession]) -> None:
         """Engine thread: one forward per q dtype for the sessions with drafting ahead left to do; the

@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from servicekit.core_share import CoreShare
+
 ASIDE_WORKERS = 2  # threads for blocking work beside the engine (module docstring)
 _aside: ThreadPoolExecutor | None = None
 _aside_lock = threading.Lock()
@@ -59,12 +61,15 @@ async def run_aside(fn, *args, **kwargs):
 
 class EngineThread:
     """`threads_for_job` (optional): asked on the engine thread before each job, the OpenMP threads
-    that job's torch ops get (e.g. more while cores lent by another process are idle); the count
-    changes only when the answer does. Without it, every job gets `num_threads`."""
+    that job's torch ops get (e.g. more while cores lent by another process are idle), given what the
+    core board lends it now (`core_share`: None without a board); the count changes only when the
+    answer does. Without it, every job gets `num_threads` plus what the board lends.
+    `core_share` (optional, `servicekit.core_share`): the job's turn on the host's core board."""
 
     def __init__(self, name: str = "engine", num_threads: int | None = None):
         self.num_threads = num_threads or torch.get_num_threads()
-        self.threads_for_job: Callable[[], int] | None = None
+        self.threads_for_job: Callable[[int | None], int] | None = None
+        self.core_share: CoreShare | None = None
         self.threads_now = self.num_threads  # the engine thread's count (set by its initializer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                             initializer=threads_here, initargs=(self.num_threads,))
@@ -73,15 +78,28 @@ class EngineThread:
         """Run fn(*args, **kwargs) on the engine thread. If the caller is cancelled the call still
         completes on the thread (engine state stays consistent); its result is dropped."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(self._job, fn, args, kwargs))
+        return await loop.run_in_executor(self._executor, functools.partial(self._job, fn, args, kwargs, True))
 
-    def _job(self, fn, args, kwargs):
-        if self.threads_for_job is not None:
-            wanted = self.threads_for_job()
+    async def run_unlent(self, fn, *args, **kwargs):
+        """`run`, borrowing no cores for this job (work another process's next call should not wait for)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(self._job, fn, args, kwargs, False))
+
+    def _job(self, fn, args, kwargs, may_borrow: bool):
+        share = self.core_share
+        lent = share.begin(may_borrow) if share is not None else None
+        try:
+            if self.threads_for_job is not None:
+                wanted = self.threads_for_job(lent)
+            else:
+                wanted = self.num_threads + (lent or 0)
             if wanted != self.threads_now:
                 torch.set_num_threads(wanted)
                 self.threads_now = wanted
-        return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+        finally:
+            if share is not None:
+                share.end()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=False)

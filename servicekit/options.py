@@ -48,6 +48,17 @@ class ModelOptions:
     quantize: str = ""  # "" (as dtype says) | int8 | int4 | q4_0 | q4_1 | q8_0 | q4_k | q6_k | gguf | int8-dynamic (drafters)
 
 
+@dataclass
+class CoreOptions:
+    """Cores lent between the model processes of one host (`servicekit.core_share`); the local launcher
+    sets these from a cluster file's `cpus` / `borrow_cpus` and adds the borrowed cores to the affinity."""
+    borrow_threads: int = 0  # extra intra-op threads for a job while the cores lent to it are idle
+    core_board: str = ""  # the launcher's core board file; "" = none (then a verify service borrows while every
+    # open session is in a Run or Generate stream: no client round in flight, nothing drafted for it)
+    core_slot: int = -1  # this process's slot on the board
+    lender_slots: str = ""  # comma-separated slots whose cores it borrows
+
+
 def option_fields(cls) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls)]
 

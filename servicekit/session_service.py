@@ -32,6 +32,7 @@ from servicekit.errors import QuotaExceeded, SessionNotFound, Unavailable
 from servicekit.metrics import ServiceMetrics
 from servicekit.quotas import Holdings, QuotaOptions, Quotas
 from servicekit.sessions import SessionTable, check_session_id
+from servicekit.tasks import cancel_and_wait
 from specmesh.kv.errors import OutOfBlocksError
 
 # errors after which the session is exactly as it was before the call
@@ -48,6 +49,7 @@ class SessionService:
         self._reserved: defaultdict[str, Holdings] = defaultdict(Holdings)  # admitted, not yet added
         self._background: set[asyncio.Task] = set()
         self.draining = False  # set by `start_draining`: open sessions go on, new ones are refused
+        self.remeasure: asyncio.Task | None = None  # the step timed again on lent threads (`measure_when_lent`)
 
     def free_session(self, session: Any) -> None:
         """Engine thread: release what `session` holds. Each servicer says what that is."""
@@ -159,6 +161,7 @@ class SessionService:
         """Servicers with batchers close them here, before the sessions go."""
 
     async def shutdown(self) -> None:
+        await cancel_and_wait(self.remeasure)
         await self.stop_batchers()
         await self.sessions.stop()
         if self._background:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from servicekit.options import ModelOptions, ServerOptions
+from servicekit.options import CoreOptions, ModelOptions, ServerOptions
 from servicekit.quotas import QuotaOptions
 
 FUSED_DRAFTERS = ("", "ngram", "ngram-store", "model")
 
 
 @dataclass
-class VerifyOptions(ServerOptions, ModelOptions, QuotaOptions):
+class VerifyOptions(ServerOptions, ModelOptions, QuotaOptions, CoreOptions):
     port: int = 50052
     batch_window_ms: float = 2.0  # how long the batcher collects concurrent Verify calls
     max_batch_tokens: int = 4096  # tokens (1 + k per session) per batched verify forward
@@ -26,6 +26,3 @@ class VerifyOptions(ServerOptions, ModelOptions, QuotaOptions):
     skeleton_max_title_bytes: int = 200
     skeleton_max_direct_bytes: int = 1000
     skeleton_grammars: int = 8  # compiled plan formats kept
-    borrow_threads: int = 0  # extra intra-op threads while every open session is in a Run or Generate stream
-    # (no client round in flight, so a Draft service sharing this host has nothing to draft); the launcher's
-    # `borrow_cpus` sets it and adds those cores to the process's affinity

@@ -60,7 +60,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.fused_drafter = fused_drafter
         self._generating = 0  # Generate streams in progress: callers of the batcher without a session id
         self._running = 0  # sessions inside a Run stream (their rounds stepped here, no client drafting for them)
-        if options.borrow_threads > 0:
+        if options.borrow_threads > 0 or self.engine_thread.core_share is not None:
             self.engine_thread.threads_for_job = self._threads_for_job
         self.num_solo_rounds = 0  # rounds of a lone stream run back to back (_back_to_back)
         self.solo_rounds = _spare_core(engine, self.engine_thread, options.borrow_threads)  # (measured: on a 2-core CPU
@@ -370,13 +370,20 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             finally:
                 self._running -= 1
 
-    def _threads_for_job(self) -> int:
-        """Engine thread, before each job: this process's own threads, and the borrowed ones
-        (`borrow_threads`) while every open session is in a Run (a Generate stream has no session):
-        none is in a client round then, whose drafts a Draft service on the lent cores may be making. The
-        verifier's cost fit (reported to the callers' k policies) skips the borrowed forwards: a one-token
-        step on more threads beside verify forwards on fewer read as a dear token (beta near 1)."""
+    def _threads_for_job(self, lent: int | None) -> int:
+        """Engine thread, before each job: this process's own threads, and the borrowed ones. With a core
+        board (`lent` not None) those it lends now: its lenders are idle (`servicekit.core_share`).
+        Without one, `borrow_threads` while every open session is in a Run (a Generate stream has no
+        session): none is in a client round then, whose drafts a Draft service on the lent cores may be
+        making. The verifier's cost fit (reported to the callers' k policies) takes in the forwards of
+        one kind only, those a lone session's client rounds run with: a one-token step on more threads
+        beside verify forwards on fewer read as a dear token (beta near 1). With a board that is the
+        borrowed kind (a lone session's Propose and Verify take turns, each lending its cores to the
+        other); without, its own threads alone."""
         own = self.engine_thread.num_threads
+        if lent is not None:
+            self.verifier.fit_round_costs = lent > 0 or not self.options.borrow_threads
+            return own + lent
         borrowing = self._running >= self.num_sessions
         self.verifier.fit_round_costs = not borrowing  # the fit prices client rounds, which run on `own` alone
         return own + self.options.borrow_threads if borrowing else own

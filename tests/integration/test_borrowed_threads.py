@@ -1,6 +1,7 @@
-"""A Verify service that borrows cores (`borrow_threads`, the launcher's `borrow_cpus`): its forwards get
-the borrowed threads while every open session is in a Run, and only its own while any session is between
-client rounds (its drafts may be being made on the lent cores). In-process service, port 0, loopback."""
+"""A Verify service that borrows cores (`borrow_threads`, the launcher's `borrow_cpus`). Without a core
+board its forwards get the borrowed threads while every open session is in a Run, and only its own while
+any session is between client rounds (its drafts may be being made on the lent cores); with one, while
+the lender runs no job. In-process service, port 0, loopback."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from servicekit.background import BackgroundServices
 from servicekit.channels import open_channel as channel
+from servicekit.core_share import CoreBoard, CoreShare
 from specmesh.proto.v1 import common_pb2, verify_pb2, verify_pb2_grpc
 from target_service.options import VerifyOptions
 from target_service.server import create_server as create_verify
@@ -92,3 +94,46 @@ def test_forwards_borrow_threads_only_while_every_session_is_in_a_run(service):
 async def _drain(stream) -> None:
     async for _ in stream:
         pass
+
+
+def test_with_a_core_board_forwards_borrow_while_the_lender_runs_nothing(tiny_model_dir, tmp_path):
+    """With the launcher's core board the rule is the lender's: a client round's verify runs on the
+    lent threads while the process on those cores runs no job (a Propose and its Verify take turns), on
+    its own while one does; the cost fit then prices the borrowed forwards, what a lone session's
+    rounds run with."""
+    board = str(tmp_path / "cores.board")
+    CoreBoard.create(board)
+    lender = CoreShare(CoreBoard(board), slot=0, lenders=(), borrow_threads=0)  # stands for the Draft service
+    options = VerifyOptions(model=str(tiny_model_dir("llama")), dtype="float32", port=0, fused_drafter="", borrow_threads=1,
+                            core_board=board, core_slot=1, lender_slots="0")
+    with BackgroundServices() as background:
+        handle = background.start(create_verify(options))
+        servicer, address = handle.servicer, f"127.0.0.1:{handle.port}"
+        own = servicer.engine_thread.num_threads
+        seen: list[int] = []
+        fitted: list[int] = []
+        verify_many, observe = servicer.verifier.verify_many, servicer.verifier._round_costs.observe
+        servicer.verifier.verify_many = lambda *a, **k: (seen.append(torch.get_num_threads()), verify_many(*a, **k))[1]
+        servicer.verifier._round_costs.observe = lambda t, ms: (fitted.append(torch.get_num_threads()), observe(t, ms))[1]
+
+        async def main() -> dict[str, list[int]]:
+            threads = {}
+            async with channel(address) as ch:
+                stub = verify_pb2_grpc.VerifyServiceStub(ch)
+                a = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=PROMPT, sampling=GREEDY),
+                                           timeout=TIMEOUT_S)
+                for lender_busy in (False, True):
+                    if lender_busy:
+                        lender.begin(may_borrow=False)
+                    seen.clear()
+                    await stub.Verify(verify_pb2.VerifyRequest(session_id=a.session_id, draft_token_ids=[3, 4]),
+                                      timeout=TIMEOUT_S)
+                    threads["lender busy" if lender_busy else "lender idle"] = list(seen)
+                lender.end()
+                await stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=a.session_id), timeout=TIMEOUT_S)
+            return threads
+
+        threads = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+        assert servicer.engine_thread.core_share.num_borrowed_jobs >= 1
+    assert threads == {"lender idle": [own + 1], "lender busy": [own]}
+    assert fitted == [own + 1]  # the round on lent threads; not the one on its own

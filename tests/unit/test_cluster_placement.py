@@ -49,21 +49,39 @@ def test_bad_core_lists_are_named(tmp_path, cpus, message):
 def test_a_verify_service_borrows_the_draft_services_cores(tmp_path):
     """`borrow_cpus: auto`: the cores pinned to the draft services join the verify process's affinity
     (not its own cores, nor its torch threads) and become its `borrow_threads` when the local launcher
-    starts it, unless that is given."""
+    starts it, unless that is given; lender and borrower get slots on the core board."""
     services = {"draft": {"kind": "draft"}, "verify": {"kind": "verify", "borrow_cpus": "auto"},
                 "coordinator": {"kind": "coordinator"}}
     specs = specs_of(tmp_path, services, {"cpus": "auto"})
     verify = specs["verify"]
     assert (verify.cpus, verify.borrow_cpus, verify.affinity, verify.torch_threads) == ((1,), (0,), (0, 1), 1)
-    assert verify.launch_options == {"borrow_threads": 1} and "borrow_cpus" not in verify.options
+    assert verify.launch_options == {"borrow_threads": 1, "core_slot": 1, "lender_slots": "0"}
+    assert "borrow_cpus" not in verify.options
     assert specs["draft"].affinity == (0,) and specs["draft"].borrow_cpus == ()
+    assert specs["draft"].launch_options == {"core_slot": 0, "lender_slots": ""}  # it lends, borrows nothing
+    assert specs["coordinator"].core_slot == -1
     specs = specs_of(tmp_path, {"draft": {"kind": "draft", "cpus": "0-1"},
                                 "verify": {"kind": "verify", "cpus": "1-3", "borrow_cpus": "0,1", "borrow_threads": 2}},
                      cores=4)
     assert specs["verify"].borrow_cpus == (0,) and specs["verify"].options["borrow_threads"] == 2  # given: it wins
     specs = specs_of(tmp_path, services, {"cpus": "auto"}, cores=1)  # nothing pinned: nothing to borrow
     assert specs["verify"].borrow_cpus == () and specs["verify"].launch_options == {}
-    with pytest.raises(ValueError, match="borrow_cpus is for verify services"):
-        specs_of(tmp_path, {"draft": {"kind": "draft", "borrow_cpus": "auto"}})
+    with pytest.raises(ValueError, match="borrow_cpus is for verify, draft services"):
+        specs_of(tmp_path, {"stage": {"kind": "stage", "borrow_cpus": "auto"}})
     with pytest.raises(ValueError, match=r"core\(s\) \[7\] this host does not offer"):
         specs_of(tmp_path, {"verify": {"kind": "verify", "borrow_cpus": "7"}})
+
+
+def test_draft_and_verify_lend_each_other_their_cores(tmp_path):
+    """The shipped placement on 2 cores: each pinned to its own core, each borrowing the other's; a
+    replica set borrows from every process pinned to the cores it names."""
+    services = {"draft": {"kind": "draft", "borrow_cpus": "auto"}, "verify": {"kind": "verify", "borrow_cpus": "auto"}}
+    specs = specs_of(tmp_path, services, {"cpus": "auto"})
+    draft, verify = specs["draft"], specs["verify"]
+    assert (draft.cpus, draft.borrow_cpus, draft.affinity) == ((0,), (1,), (0, 1))
+    assert (verify.cpus, verify.borrow_cpus, verify.affinity) == ((1,), (0,), (0, 1))
+    assert (draft.core_slot, draft.lender_slots, verify.core_slot, verify.lender_slots) == (0, (1,), 1, (0,))
+    specs = specs_of(tmp_path, {"draft": {"kind": "draft", "replicas": 2, "borrow_cpus": "auto"},
+                                "verify": {"kind": "verify"}}, {"cpus": "auto"}, cores=3)
+    assert specs["draft-0"].lender_slots == specs["draft-1"].lender_slots == (specs["verify"].core_slot,)
+    assert specs["draft-0"].borrow_cpus == (2,) and specs["verify"].lender_slots == ()

@@ -1,0 +1,161 @@
+"""Cores lent between the model processes of one host, job by job, through a board in shared memory.
+
+The local launcher pins each model process to cores of its own (`cpus`), so a Draft service drafting
+ahead and a Verify service verifying run side by side without stalling each other's OpenMP teams. When
+they take turns instead (ordinary speculation: a Propose, then the Verify of its draft), each would
+run on half the host. So a process may borrow another's cores (`borrow_cpus`) for an engine job while
+that process runs none, and the launcher's board says which do:
+
+  - the board is a small file mapped into every process that lends or borrows; each has a slot of two
+    bytes: `busy` (an engine job is running in it) and `borrowing` (the slots whose cores it runs on now,
+    one bit each);
+  - before a job a process marks itself busy; if none of its lenders is busy it marks what it borrows,
+    checks once more (a lender may have begun meanwhile: then it borrows nothing) and runs the job on its
+    own threads plus a thread per borrowed core;
+  - a process whose own cores are borrowed waits for that job to end before it starts one (bounded by
+    `LENDER_WAIT_S`), so two teams never share a core for more than the moment the check takes;
+  - after the job it clears both marks.
+
+Jobs that should never borrow (drafting ahead: the target's next Verify is about to come) pass
+`may_borrow=False`; a run of them keeps the process marked busy between its jobs too (`hold`), so a
+borrower does not take its cores in a gap and make the next one wait. What is lent is decided from
+the board alone, so it holds across any number of clients and coordinators. A process that dies with
+its marks set leaves its lender waiting at most `LENDER_WAIT_S` per job until it is restarted (the
+restart clears its slot).
+
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "board")
+    >>> CoreBoard.create(path)
+    >>> draft = CoreShare(CoreBoard(path), slot=0, lenders=(1,), borrow_threads=1)
+    >>> verify = CoreShare(CoreBoard(path), slot=1, lenders=(0,), borrow_threads=1)
+    >>> draft.begin()          # the verify service is idle: the draft runs on its core too
+    1
+    >>> verify.begin(wait_s=0.01)  # the draft is busy (and holds its core): nothing lent; waited for
+    0
+    >>> draft.end(); verify.end()
+    >>> verify.begin(), draft.begin(may_borrow=False, wait_s=0.01)  # drafting ahead borrows nothing
+    (1, 0)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Sequence
+
+SLOTS = 8  # processes on one board (each `borrowing` byte has a bit per slot)
+LENDER_WAIT_S = 0.25  # longest a lender waits for a borrowed job on its cores to end
+POLL_S = 0.0002
+
+
+class CoreBoard:
+    """The launcher's board file, mapped: `SLOTS` slots of (busy, borrowing) bytes."""
+
+    def __init__(self, path: str):
+        with open(path, "r+b") as file:
+            self._map = mmap.mmap(file.fileno(), 2 * SLOTS)
+
+    @staticmethod
+    def create(path: str) -> None:
+        with open(path, "wb") as file:
+            file.write(bytes(2 * SLOTS))
+            file.flush()
+            os.fsync(file.fileno())
+
+    def busy(self, slot: int) -> bool:
+        return self._map[2 * slot] != 0
+
+    def borrowing(self, slot: int) -> int:
+        return self._map[2 * slot + 1]
+
+    def set(self, slot: int, busy: bool, borrowing: int) -> None:
+        self._map[2 * slot] = int(busy)
+        self._map[2 * slot + 1] = borrowing
+
+
+class CoreShare:
+    """One process's side of the board (module docstring): `begin()` before an engine job, the number
+    of borrowed threads it may add; `end()` after it."""
+
+    def __init__(self, board: CoreBoard, slot: int, lenders: Sequence[int], borrow_threads: int):
+        for index in (slot, *lenders):
+            if not 0 <= index < SLOTS:
+                raise ValueError(f"core board slot {index} out of range 0-{SLOTS - 1}")
+        if slot in lenders:
+            raise ValueError(f"core board slot {slot} cannot lend to itself")
+        self.board, self.slot, self.lenders, self.borrow_threads = board, slot, tuple(lenders), borrow_threads
+        self._mask = sum(1 << lender for lender in self.lenders)
+        self.held = False  # marked busy between jobs too (`hold`)
+        self._in_job = False
+        self.num_borrowed_jobs = 0
+        self.num_jobs = 0
+        board.set(slot, False, 0)  # a restarted process starts clean
+
+    def begin(self, may_borrow: bool = True, wait_s: float = LENDER_WAIT_S) -> int:
+        board, slot = self.board, self.slot
+        self._in_job = True
+        board.set(slot, True, 0)
+        lent = 0
+        if may_borrow and self.borrow_threads and self._mask and not any(map(board.busy, self.lenders)):
+            board.set(slot, True, self._mask)
+            if any(map(board.busy, self.lenders)):  # a lender began meanwhile: its cores are its own
+                board.set(slot, True, 0)
+            else:
+                lent = self.borrow_threads
+        deadline = time.monotonic() + wait_s
+        while self._borrowed_from() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        self.num_jobs += 1
+        self.num_borrowed_jobs += bool(lent)
+        return lent
+
+    def end(self) -> None:
+        self._in_job = False
+        self.board.set(self.slot, self.held, 0)
+
+    def hold(self, held: bool) -> None:
+        """Mark the process busy between jobs too (True) until released (False); a job running now
+        applies it at its end."""
+        self.held = held
+        if not self._in_job:
+            self.board.set(self.slot, held, 0)
+
+    def _borrowed_from(self) -> bool:
+        """Whether another process runs on this one's cores now."""
+        bit = 1 << self.slot
+        return any(self.board.borrowing(other) & bit for other in range(SLOTS) if other != self.slot)
+
+
+def core_share_from(board: str, slot: int, lender_slots: str, borrow_threads: int) -> CoreShare | None:
+    """The share a service's options describe (`core_board`, `core_slot`, `lender_slots`), or None."""
+    if not board:
+        return None
+    lenders = tuple(int(part) for part in lender_slots.split(",") if part.strip())
+    return CoreShare(CoreBoard(board), slot, lenders, borrow_threads if lenders else 0)
+
+
+async def measure_when_lent(engine_thread, engine, tries: int = 40, interval_s: float = 0.25) -> bool:
+    """Time the engine's step (`measure_step`, the callers' k policy prior) again in the first job that
+    gets the threads the board lends: at load the other processes were loading too, so it was timed on
+    this process's own threads, where a lone session's rounds run on the lent ones as well. True once
+    timed; False without a board, or when nothing was lent in `tries` attempts."""
+    import asyncio
+
+    from specmesh.models.engine import measure_step
+
+    if engine_thread.core_share is None or not engine_thread.core_share.borrow_threads:
+        return False
+
+    def timed_if_lent() -> bool:
+        if engine_thread.threads_now <= engine_thread.num_threads:
+            return False
+        engine.stats.step_ms = engine.stats.prefill_ms_per_token = None  # timed afresh, not averaged in
+        measure_step(engine)
+        return True
+
+    for _ in range(tries):
+        if await engine_thread.run(timed_if_lent):
+            return True
+        await asyncio.sleep(interval_s)
+    return False

@@ -1,0 +1,95 @@
+"""The core board (`servicekit.core_share`): who borrows whose cores, job by job, across processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+
+from servicekit.core_share import SLOTS, CoreBoard, CoreShare, core_share_from
+
+
+@pytest.fixture
+def board_path(tmp_path):
+    path = str(tmp_path / "cores.board")
+    CoreBoard.create(path)
+    return path
+
+
+def test_a_job_borrows_only_while_its_lenders_run_none(board_path):
+    draft = CoreShare(CoreBoard(board_path), slot=0, lenders=(1,), borrow_threads=1)
+    verify = CoreShare(CoreBoard(board_path), slot=1, lenders=(0,), borrow_threads=2)
+    assert verify.begin() == 2  # the draft service is idle
+    verify.end()
+    draft.begin(may_borrow=False)  # e.g. drafting ahead on its own core
+    assert verify.begin(wait_s=0.0) == 0
+    verify.end()
+    draft.end()
+    assert (verify.num_jobs, verify.num_borrowed_jobs) == (2, 1)
+
+
+def test_a_lender_waits_for_the_job_on_its_cores_and_not_longer(board_path):
+    draft = CoreShare(CoreBoard(board_path), slot=0, lenders=(1,), borrow_threads=1)
+    verify = CoreShare(CoreBoard(board_path), slot=1, lenders=(0,), borrow_threads=1)
+    assert draft.begin() == 1
+    start = time.monotonic()
+    assert verify.begin(wait_s=0.05) == 0  # its core is borrowed: it waits, bounded
+    assert time.monotonic() - start >= 0.05
+    verify.end()
+    draft.end()
+    start = time.monotonic()
+    verify.begin(wait_s=5.0)  # nobody on its cores: no wait
+    assert time.monotonic() - start < 1.0
+    verify.end()
+
+
+def _borrow_in_another_process(path: str, began, release) -> None:
+    share = CoreShare(CoreBoard(path), slot=2, lenders=(0,), borrow_threads=1)
+    began.put(share.begin())
+    release.wait(10)
+    share.end()
+
+
+def test_the_board_is_shared_between_processes(board_path):
+    lender = CoreShare(CoreBoard(board_path), slot=0, lenders=(), borrow_threads=0)
+    context = multiprocessing.get_context("spawn")
+    began, release = context.Queue(), context.Event()
+    child = context.Process(target=_borrow_in_another_process, args=(board_path, began, release))
+    child.start()
+    try:
+        assert began.get(timeout=60) == 1
+        start = time.monotonic()
+        lender.begin(wait_s=0.1)  # the other process runs on its core
+        assert time.monotonic() - start >= 0.1
+        lender.end()
+    finally:
+        release.set()
+        child.join(30)
+    assert child.exitcode == 0
+    start = time.monotonic()
+    lender.begin(wait_s=5.0)  # the child ended its job: nothing to wait for
+    assert time.monotonic() - start < 1.0
+
+
+def test_hold_keeps_a_process_busy_between_its_jobs(board_path):
+    draft = CoreShare(CoreBoard(board_path), slot=0, lenders=(1,), borrow_threads=1)
+    verify = CoreShare(CoreBoard(board_path), slot=1, lenders=(0,), borrow_threads=1)
+    draft.hold(True)
+    draft.begin(may_borrow=False)
+    draft.end()
+    assert verify.begin() == 0  # between two forwards ahead: not lent
+    verify.end()
+    draft.hold(False)
+    assert verify.begin() == 1
+    verify.end()
+
+
+def test_bad_slots_and_no_board(board_path):
+    with pytest.raises(ValueError, match="out of range"):
+        CoreShare(CoreBoard(board_path), slot=SLOTS, lenders=(), borrow_threads=0)
+    with pytest.raises(ValueError, match="cannot lend to itself"):
+        CoreShare(CoreBoard(board_path), slot=1, lenders=(1,), borrow_threads=1)
+    assert core_share_from("", 0, "1", 1) is None
+    share = core_share_from(board_path, 3, "", 2)
+    assert share is not None and share.borrow_threads == 0  # no lenders: nothing to borrow
