@@ -7,6 +7,9 @@ the ratios are per prompt within one repeat, then the median. Rows:
 - in-process, 2 threads: target only; bf16 self-draft (k = 4, adaptive)
 - cluster, Draft on core 0 and Verify on core 1 (1 thread each): target only; bf16 self-draft k = 4 with
   and without drafting ahead; adaptive k with drafting ahead (the measured costs decide whether to draft)
+- cluster, the same placement, each process lending its core to the other while it runs no job
+  (`borrow_cpus` both ways, as configs/local.yaml ships; servicekit/core_share.py): target only; bf16
+  self-draft k = 4 and adaptive k, taking turns on both cores
 
     .venv/bin/python bench/draft_ahead.py     # ~10 minutes; writes bench/results/draft_ahead.{json,md}
 """
@@ -52,18 +55,26 @@ ROWS = {
     "bf16 self-draft k=4, cluster": ("cluster", "plain", SPEC, K),
     "bf16 self-draft k=4, cluster, drafting ahead": ("cluster", "ahead", SPEC, K),
     "bf16 self-draft adaptive k, cluster, drafting ahead": ("cluster", "ahead", SPEC, 0),
+    "target only, cluster, lending cores": ("cluster", "lend", AR, 0),
+    "bf16 self-draft k=4, cluster, lending cores": ("cluster", "lend", SPEC, K),
+    "bf16 self-draft adaptive k, cluster, lending cores": ("cluster", "lend", SPEC, 0),
 }
 
 
 def config(folder: str) -> dict:
-    plain, ahead, verify = free_ports(3)
+    plain, ahead, verify, lend_draft, lend_verify = free_ports(5)
     draft = {"kind": "draft", "drafter": "model", "dtype": "bfloat16", "model": folder, "cpus": "0"}
+    target = {"kind": "verify", "dtype": "float32", "model": folder, "cpus": "1"}
     links = {"kind": "coordinator", "port": 0, "model": folder, "verify_addresses": f"127.0.0.1:{verify}"}
     return {"defaults": {"device": "cpu", "host": "127.0.0.1"}, "services": {
         "draft": {**draft, "port": plain}, "draft-ahead": {**draft, "port": ahead, "draft_ahead": True},
-        "verify": {"kind": "verify", "dtype": "float32", "model": folder, "port": verify, "cpus": "1"},
+        "verify": {**target, "port": verify},
+        # the lending pair borrows from every process pinned to the other core (idle ones lend at once)
+        "draft-lend": {**draft, "port": lend_draft, "borrow_cpus": "1"},
+        "verify-lend": {**target, "port": lend_verify, "borrow_cpus": "0"},
         "plain": {**links, "draft_addresses": f"127.0.0.1:{plain}"},
         "ahead": {**links, "draft_addresses": f"127.0.0.1:{ahead}"},
+        "lend": {**links, "draft_addresses": f"127.0.0.1:{lend_draft}", "verify_addresses": f"127.0.0.1:{lend_verify}"},
     }}
 
 
@@ -81,7 +92,7 @@ def main() -> None:
         path.write_text(yaml.safe_dump(config(folder)))
         with Cluster.from_yaml(path, log_dir=tmp) as cluster:
             addresses = cluster.addresses
-            for coordinator in ("plain", "ahead"):  # warm-up
+            for coordinator in ("plain", "ahead", "lend"):  # warm-up
                 asyncio.run(through_cluster(addresses[coordinator], PROMPTS[0], SPEC, "service", 8, K))
             for repeat in range(REPEATS):
                 for prompt in PROMPTS:
@@ -119,7 +130,8 @@ def main() -> None:
     lines = ["# Drafting ahead: Draft and Verify on cores of their own vs one process on both", "",
              f"`{out['command']}`: default model, fp32 target, bf16 self-draft, greedy, 64 new tokens, "
              f"{len(PROMPTS)} chat prompts x {REPEATS}; {out['cores']} cores; cluster: Draft pinned to core 0, Verify to core 1, "
-             "1 thread each; in-process: 2 threads. Ratios: per prompt and repeat over in-process bf16 k=4, median "
+             "1 thread each (lending cores: each also runs on the other's core, a thread more, while the other runs no "
+             "job); in-process: 2 threads. Ratios: per prompt and repeat over in-process bf16 k=4, median "
              "(highest prompt). Draft / verify ms per round: what the coordinator (or the loop) waited for each.", "",
              "| row | exact | ms/token | / in-process k=4 | highest prompt | tokens/round | draft ms/round | verify ms/round |",
              "|---|---|---|---|---|---|---|---|"]
