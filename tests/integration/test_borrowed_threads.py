@@ -55,8 +55,7 @@ def test_forwards_borrow_threads_only_while_every_session_is_in_a_run(service):
         threads = {}
         async with channel(address) as ch:
             stub = verify_pb2_grpc.VerifyServiceStub(ch)
-            a = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=PROMPT, sampling=GREEDY),
-                                       timeout=TIMEOUT_S)
+            a = await _open(stub)
             seen.clear()
             await stub.Verify(verify_pb2.VerifyRequest(session_id=a.session_id, draft_token_ids=[3, 4]), timeout=TIMEOUT_S)
             threads["client round"] = list(seen)
@@ -64,8 +63,7 @@ def test_forwards_borrow_threads_only_while_every_session_is_in_a_run(service):
             async for _ in stub.Run(verify_pb2.RunRequest(session_id=a.session_id, max_rounds=3), timeout=TIMEOUT_S):
                 pass
             threads["the only session, in a Run"] = list(seen)
-            b = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=PROMPT, sampling=GREEDY),
-                                       timeout=TIMEOUT_S)
+            b = await _open(stub)
             seen.clear()
             async for _ in stub.Run(verify_pb2.RunRequest(session_id=a.session_id, max_rounds=3), timeout=TIMEOUT_S):
                 pass
@@ -89,6 +87,11 @@ def test_forwards_borrow_threads_only_while_every_session_is_in_a_run(service):
     assert threads["a Run while another session is between calls"] == [own] * 3
     # (a forward may come before the second Run starts, or after the first ends)
     assert own + 1 in threads["both sessions in Runs"]
+
+
+async def _open(stub: verify_pb2_grpc.VerifyServiceStub) -> verify_pb2.VerifyOpenSessionResponse:
+    return await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=PROMPT, sampling=GREEDY),
+                                  timeout=TIMEOUT_S)
 
 
 async def _drain(stream) -> None:
@@ -120,8 +123,7 @@ def test_with_a_core_board_forwards_borrow_while_the_lender_runs_nothing(tiny_mo
             threads = {}
             async with channel(address) as ch:
                 stub = verify_pb2_grpc.VerifyServiceStub(ch)
-                a = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=PROMPT, sampling=GREEDY),
-                                           timeout=TIMEOUT_S)
+                a = await _open(stub)
                 for lender_busy in (False, True):
                     if lender_busy:
                         lender.begin(may_borrow=False)
