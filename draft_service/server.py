@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from draft_service.options import DRAFTERS, DraftOptions
 from draft_service.servicer import DraftServicer
-from servicekit.core_share import core_share_from, measure_when_lent
+from servicekit.core_share import core_share_from
 from servicekit.engine_thread import EngineThread, single_threaded_here
 from servicekit.metrics import ServiceMetrics
 from servicekit.model import load_service_engine, model_shape
@@ -36,14 +34,13 @@ def build_drafter(options: DraftOptions):
 async def create_server(options: DraftOptions) -> tuple[ServiceHandle, int]:
     metrics = ServiceMetrics("draft")
     engine_thread = EngineThread("draft-engine")  # the model is loaded and run on it (servicekit.engine_thread)
-    engine_thread.core_share = core_share_from(options.core_board, options.core_slot, options.lender_slots,
-                                               options.borrow_threads)
+    engine_thread.core_share = core_share_from(options)
     single_threaded_here()
     drafter, engine, vocab_size, max_context, folder = await engine_thread.run(build_drafter, options)
     servicer = DraftServicer(options, drafter, engine, vocab_size, max_context, folder, metrics, engine_thread)
     servicer.sessions.start_reaper(options.reaper_interval_s)
     handle = await start_service(options, metrics, servicer, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME)],
                                  on_stop=[servicer.shutdown])
-    if engine is not None and engine_thread.core_share is not None:
-        servicer.remeasure = asyncio.get_running_loop().create_task(measure_when_lent(engine_thread, engine))
+    if engine is not None:
+        servicer.time_step_when_lent(engine)
     return handle, handle.port

@@ -39,10 +39,13 @@ restart clears its slot).
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import time
 from collections.abc import Sequence
+
+from servicekit.options import CoreOptions
 
 SLOTS = 8  # processes on one board (each `borrowing` byte has a bit per slot)
 LENDER_WAIT_S = 0.25  # longest a lender waits for a borrowed job on its cores to end
@@ -127,12 +130,12 @@ class CoreShare:
         return any(self.board.borrowing(other) & bit for other in range(SLOTS) if other != self.slot)
 
 
-def core_share_from(board: str, slot: int, lender_slots: str, borrow_threads: int) -> CoreShare | None:
+def core_share_from(options: CoreOptions) -> CoreShare | None:
     """The share a service's options describe (`core_board`, `core_slot`, `lender_slots`), or None."""
-    if not board:
+    if not options.core_board:
         return None
-    lenders = tuple(int(part) for part in lender_slots.split(",") if part.strip())
-    return CoreShare(CoreBoard(board), slot, lenders, borrow_threads if lenders else 0)
+    lenders = tuple(int(part) for part in options.lender_slots.split(",") if part.strip())
+    return CoreShare(CoreBoard(options.core_board), options.core_slot, lenders, options.borrow_threads if lenders else 0)
 
 
 async def measure_when_lent(engine_thread, engine, tries: int = 40, interval_s: float = 0.25) -> bool:
@@ -140,8 +143,6 @@ async def measure_when_lent(engine_thread, engine, tries: int = 40, interval_s: 
     gets the threads the board lends: at load the other processes were loading too, so it was timed on
     this process's own threads, where a lone session's rounds run on the lent ones as well. True once
     timed; False without a board, or when nothing was lent in `tries` attempts."""
-    import asyncio
-
     from specmesh.models.engine import measure_step
 
     if engine_thread.core_share is None or not engine_thread.core_share.borrow_threads:

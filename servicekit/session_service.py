@@ -27,6 +27,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from servicekit.auth import current_principal
+from servicekit.core_share import measure_when_lent
 from servicekit.engine_thread import EngineThread
 from servicekit.errors import QuotaExceeded, SessionNotFound, Unavailable
 from servicekit.metrics import ServiceMetrics
@@ -159,6 +160,12 @@ class SessionService:
 
     async def stop_batchers(self) -> None:
         """Servicers with batchers close them here, before the sessions go."""
+
+    def time_step_when_lent(self, engine) -> None:
+        """With a core board, time `engine`'s step again once its lenders are idle
+        (`servicekit.core_share.measure_when_lent`); cancelled at shutdown if still waiting."""
+        if self.engine_thread.core_share is not None:
+            self.remeasure = asyncio.get_running_loop().create_task(measure_when_lent(self.engine_thread, engine))
 
     async def shutdown(self) -> None:
         await cancel_and_wait(self.remeasure)

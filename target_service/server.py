@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-
-from servicekit.core_share import core_share_from, measure_when_lent
+from servicekit.core_share import core_share_from
 from servicekit.engine_thread import EngineThread, single_threaded_here
 from servicekit.metrics import ServiceMetrics
 from servicekit.model import load_service_engine
@@ -45,8 +43,7 @@ def build_fused_drafter(options: VerifyOptions, target=None, target_folder: str 
 async def create_server(options: VerifyOptions) -> tuple[ServiceHandle, int]:
     metrics = ServiceMetrics("verify")
     engine_thread = EngineThread("verify-engine")  # the model is loaded and run on it (servicekit.engine_thread)
-    engine_thread.core_share = core_share_from(options.core_board, options.core_slot, options.lender_slots,
-                                               options.borrow_threads)
+    engine_thread.core_share = core_share_from(options)
     single_threaded_here()
     engine, folder = await engine_thread.run(load_service_engine, options)
     fused = await engine_thread.run(build_fused_drafter, options, engine, folder)
@@ -54,6 +51,5 @@ async def create_server(options: VerifyOptions) -> tuple[ServiceHandle, int]:
     servicer.sessions.start_reaper(options.reaper_interval_s)
     handle = await start_service(options, metrics, servicer, [(verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE_NAME)],
                                  on_stop=[servicer.shutdown])
-    if engine is not None and engine_thread.core_share is not None:
-        servicer.remeasure = asyncio.get_running_loop().create_task(measure_when_lent(engine_thread, engine))
+    servicer.time_step_when_lent(engine)
     return handle, handle.port

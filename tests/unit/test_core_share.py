@@ -8,6 +8,7 @@ import time
 import pytest
 
 from servicekit.core_share import SLOTS, CoreBoard, CoreShare, core_share_from
+from servicekit.options import CoreOptions
 
 
 @pytest.fixture
@@ -90,6 +91,6 @@ def test_bad_slots_and_no_board(board_path):
         CoreShare(CoreBoard(board_path), slot=SLOTS, lenders=(), borrow_threads=0)
     with pytest.raises(ValueError, match="cannot lend to itself"):
         CoreShare(CoreBoard(board_path), slot=1, lenders=(1,), borrow_threads=1)
-    assert core_share_from("", 0, "1", 1) is None
-    share = core_share_from(board_path, 3, "", 2)
+    assert core_share_from(CoreOptions(core_slot=0, lender_slots="1", borrow_threads=1)) is None
+    share = core_share_from(CoreOptions(core_board=board_path, core_slot=3, borrow_threads=2))
     assert share is not None and share.borrow_threads == 0  # no lenders: nothing to borrow
