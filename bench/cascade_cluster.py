@@ -14,7 +14,7 @@ highest prompt beside it). Rows, all through the one Coordinator:
 - speculative, adaptive cascade at lambda 16 (`cascade_lambda`: LOSSY, opt-in; the shipped predictor)
 The lossless rows must give autoregressive's tokens; the adaptive row reports its agreement with them.
 Goal (issue 29): the shipped cascade <= 0.90x autoregressive time per token on chat prompts, exact.
-Writes bench/results/cascade_cluster.{json,md}.
+Writes bench/results/cascade_cluster.{json,md} (`--out` another stem; `--config` another cluster file).
 """
 
 from __future__ import annotations
@@ -70,10 +70,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="2 prompts, 1 repeat, 16 tokens (smoke run)")
+    parser.add_argument("--config", default=str(CONFIG), help="another cluster file (default: the shipped cascade)")
+    parser.add_argument("--out", default="cascade_cluster", help="results file stem under bench/results")
     args = parser.parse_args()
     prompts = CHAT_PROMPTS[:2] if args.quick else CHAT_PROMPTS
     repeats, max_new = (1, 16) if args.quick else (args.repeats, args.max_new_tokens)
-    specs = load_cluster_config(CONFIG)  # the shipped placement on this host
+    specs = load_cluster_config(args.config)  # as that file places them on this host
     placement = {s.name: (list(s.cpus), s.torch_threads) for s in specs}
     for spec in specs:
         spec.options["port"] = 0  # free ports: never collides with a running cluster
@@ -114,16 +116,17 @@ def main() -> int:
               flush=True)
     command = ".venv/bin/python bench/cascade_cluster.py" + (" --quick" if args.quick else "") + (
         f" --repeats {args.repeats}" if args.repeats != 3 and not args.quick else "") + (
-        f" --max-new-tokens {args.max_new_tokens}" if args.max_new_tokens != 64 and not args.quick else "")
+        f" --max-new-tokens {args.max_new_tokens}" if args.max_new_tokens != 64 and not args.quick else "") + (
+        f" --config {args.config}" if args.config != str(CONFIG) else "") + (f" --out {args.out}" if args.out != "cascade_cluster" else "")
     out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
            "cores": os.cpu_count(), "placement": placement, "repeats": repeats, "max_new_tokens": max_new,
            "prompts": prompts, "rows": rows, "runs": runs}
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
-    (results / "cascade_cluster.json").write_text(json.dumps(out, indent=1))
+    (results / f"{args.out}.json").write_text(json.dumps(out, indent=1))
     where = "; ".join(f"{n}: cpus {','.join(map(str, c)) or 'any'}, {t} thread(s)" for n, (c, t) in placement.items())
     lines = ["# The shipped cascade through the Coordinator vs autoregressive", "",
-             f"`{command}`, {out['date']}, {out['machine']}, {out['cores']} cores. `configs/local-cascade.yaml` as shipped "
+             f"`{command}`, {out['date']}, {out['machine']}, {out['cores']} cores. `{Path(args.config).name}` "
              f"({where}); greedy, {max_new} new tokens, {len(prompts)} chat prompts x {repeats} repeats, rows back to back "
              "per prompt (order reversed each repeat). Ratio: time per token over autoregressive's for the same prompt and "
              "repeat (whole request, prefill and stream included), the median; highest prompt: the largest per-prompt median. "
@@ -135,7 +138,7 @@ def main() -> int:
         exact = "yes" if r["exact"] else f"NO ({r['token_agreement']:.0%})" if not r["lossy"] else f"lossy ({r['token_agreement']:.0%})"
         lines.append(f"| {r['row']} | {r['ms_per_token']:.1f} | {r['vs_autoregressive']:.3f}x | {r['highest_prompt']:.3f}x | "
                      f"{r['draft_tokens_per_request']:.1f} | {acc} | {exact} |")
-    (results / "cascade_cluster.md").write_text("\n".join(lines) + "\n")
+    (results / f"{args.out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(r["exact"] for r in rows if not r["lossy"]) else 1
 
