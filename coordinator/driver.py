@@ -17,6 +17,14 @@ supplies the verifier and drafter it steps, as failover wrappers over the gRPC a
   n-gram drafts made here, from the whole context (exact: a deterministic draft). Both say so in
   `failovers`, which the final stats report. A request that finds no Draft replica up drafts n-grams
   from the start: nothing moved, so no failover (its stats' drafter says "ngram").
+  It opens the Draft session when the request first drafts, not with the request, once a Draft
+  session has said what a draft token costs (`DraftCosts`: the k policy's prior without a session
+  of its own). A request whose adaptive k starts at plain decoding and never probes (under load, or a
+  drafter that cannot pay) then costs the Draft replica nothing: no OpenSession, no CloseSession, no
+  engine job to take its cores from a Verify service that borrows them. Opened late, the session gets
+  the same prompt and, with its first Propose, every token since: what it would have been told had it
+  opened first (a model drafter prefills lazily anyway; its generator is seeded at open), so the
+  drafts are the same.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch
 
 from coordinator.pools import ServicePool
 from servicekit.remote import Metadata, RemoteDrafter, RemoteDraftSession, RemoteVerifier
+from specmesh.decoding.adaptive import ForwardCost
 from specmesh.decoding.async_driver import TargetInfo
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
@@ -134,6 +143,10 @@ class FailoverVerifier:
     def opened_ms_per_token(self, handle: VerifyHandle) -> float | None:
         """`CostReporter`: the one-token forward of the replica the session is on, as it reported."""
         return handle.remote.opened_ms_per_token(handle.session_id)
+
+    def opened_forward_cost(self, handle: VerifyHandle) -> ForwardCost | None:
+        """`ForwardCostReporter`: that replica's fit of its verify forwards, at its recent batch size."""
+        return handle.remote.opened_forward_cost(handle.session_id)
 
     async def verify(self, handle: VerifyHandle, proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
         try:
@@ -241,6 +254,19 @@ class FailoverVerifier:
 
 
 @dataclass
+class DraftCosts:
+    """What the Draft replicas' sessions said when they opened, the latest (module docstring): a draft
+    token's cost (ms; None until one opened) and whether they draft ahead. Shared by the requests of
+    one Coordinator."""
+
+    ms_per_token: float | None = None
+    drafts_ahead: bool = False
+
+    def heard(self, session: RemoteDraftSession) -> None:
+        self.ms_per_token, self.drafts_ahead = session.ms_per_token, session.drafts_ahead
+
+
+@dataclass
 class DraftHandle:
     context: list[int]  # the prompt and every token accepted since (what a local drafter needs)
     params: SamplingParams
@@ -249,6 +275,8 @@ class DraftHandle:
     remote_session: RemoteDraftSession | None = None
     local: PromptLookupIndex | None = None
     opened_s: float = field(default_factory=time.perf_counter)
+    num_prompt_tokens: int = 0
+    deferred: bool = False  # the Draft session opens with the first Propose (module docstring)
 
 
 class FailoverDrafter:
@@ -257,8 +285,10 @@ class FailoverDrafter:
 
     def __init__(self, pool: ServicePool | None, calls: Calls, failovers: Failovers, *, use_service: bool,
                  q_dtype: torch.dtype = torch.float32, sparse_q: bool = False,
-                 ngram: Callable[[], PromptLookupDrafter] = PromptLookupDrafter, encoder_input_ids: Sequence[int] = ()):
+                 ngram: Callable[[], PromptLookupDrafter] = PromptLookupDrafter, encoder_input_ids: Sequence[int] = (),
+                 costs: DraftCosts | None = None):
         self.pool = pool if use_service else None
+        self.costs = costs  # None: every request opens its Draft session with the request
         self.encoder_input_ids = list(encoder_input_ids)  # an encoder-decoder pair's input (n-grams draft without it)
         self.calls = calls
         self.failovers = failovers
@@ -268,15 +298,29 @@ class FailoverDrafter:
         self.current = "draft-service" if self.pool else "ngram"  # the drafter drafting now (for the stats)
 
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> DraftHandle:
-        handle = DraftHandle(list(prompt_ids), params)
+        handle = DraftHandle(list(prompt_ids), params, num_prompt_tokens=len(prompt_ids))
         if not self.pool:
             return handle
+        costs = self.costs
+        if costs is not None and costs.ms_per_token is not None and not costs.drafts_ahead and not self.encoder_input_ids:
+            handle.deferred = True  # a drafting-ahead replica starts at open; an encoder input is sent at open
+            return handle
+        await self._open_remote(handle)
+        return handle
+
+    async def _open_remote(self, handle: DraftHandle) -> None:
+        """The request's session on a Draft replica (its prompt: the context's first tokens); none up: n-grams."""
+        handle.deferred = False
+        prompt_ids = handle.context[:handle.num_prompt_tokens]
+        params = handle.params
+        handle.opened_s = time.perf_counter()
+        assert self.pool  # (open defers only with a pool)
         try:
             handle.replica = self.pool.acquire()
         except NoHealthyReplica:  # no Draft replica up: this request drafts n-grams from the start, no failover of its own
             log.debug("no healthy draft replica: n-gram drafts from the start")
             self.current = "ngram"
-            return handle
+            return
         handle.remote = RemoteDrafter(draft_pb2_grpc.DraftServiceStub(self.pool.channel(handle.replica)), q_dtype=self.q_dtype,
                                       sparse_q=self.sparse_q, timeout_s=self.calls.timeout_s, metadata=self.calls.metadata,
                                       encoder_input_ids=self.encoder_input_ids)
@@ -288,10 +332,15 @@ class FailoverDrafter:
                 self._drop_remote(handle, failed=False)
                 raise
             self._fall_back(handle)
-        return handle
+            return
+        if self.costs is not None:
+            self.costs.heard(handle.remote_session)
 
     def opened_ms_per_token(self, handle: DraftHandle) -> float | None:
-        """`CostReporter`: a draft token's cost on the Draft replica, as it reported (n-grams: not known)."""
+        """`CostReporter`: a draft token's cost on the Draft replica, as it reported (a deferred session: as the
+        latest session to open reported; n-grams: not known)."""
+        if handle.deferred:
+            return self.costs.ms_per_token if self.costs is not None else None
         return handle.remote_session.ms_per_token if handle.remote_session is not None else None
 
     def opened_drafting_ahead(self, handle: DraftHandle) -> bool:
@@ -299,10 +348,17 @@ class FailoverDrafter:
         return handle.remote_session is not None and handle.remote_session.drafts_ahead
 
     async def propose(self, handle: DraftHandle, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
+        told = list(accepted_since_last)  # what the Draft session is told with this call
+        if handle.deferred:
+            if not max_tokens:  # nothing to draft (a request's last round): no session for it
+                handle.context.extend(told)
+                return DraftProposal(token_ids=[])
+            told = handle.context[handle.num_prompt_tokens:] + told  # opened with the prompt: every token since
+            await self._open_remote(handle)
         handle.context.extend(accepted_since_last)
         if handle.remote is not None and handle.remote_session is not None:
             try:
-                return await handle.remote.propose(handle.remote_session, accepted_since_last, max_tokens)
+                return await handle.remote.propose(handle.remote_session, told, max_tokens)
             except grpc.aio.AioRpcError as exc:
                 if not replica_failed(exc):
                     raise

@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, Sequence
 import grpc
 
 from coordinator.cascade import NO_CASCADE, CascadeStages, NamedCascade, adaptive_stats, cascade_stats_pb, request_stages
-from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier
+from coordinator.driver import Calls, DraftCosts, FailoverDrafter, Failovers, FailoverVerifier
 from coordinator.mode_choice import PLAIN_MODE, ModeChoice, choose_mode, request_question
 from coordinator.options import DRAFTERS, CoordinatorOptions
 from coordinator.pools import ServicePool
@@ -63,6 +63,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.info = info
         self.verify = verify
         self.draft = draft
+        self.draft_costs = DraftCosts()  # what the Draft sessions said at open: deferred opens' prior (coordinator.driver)
         self.metrics = metrics
         self.cascade = cascade or CascadeStages()  # no stages configured: a request naming one is refused
         # an encoder-decoder target (T5, BART, ...): the request's text is the encoder's input, and every
@@ -189,7 +190,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         drafter = None
         if plan.drafts_here and drafter_kind != "none":
             drafter = FailoverDrafter(self.draft, calls, failovers, use_service=drafter_kind == "service" and bool(self.draft),
-                                      q_dtype=self.q_dtype, sparse_q=self.options.sparse_q, encoder_input_ids=encoder_ids)
+                                      q_dtype=self.q_dtype, sparse_q=self.options.sparse_q, encoder_input_ids=encoder_ids,
+                                      costs=self.draft_costs)
         outer: AsyncDrafter | None = drafter
         if stages_here:  # the drafter under the request's Stage services (CASCADE); refuses a lambda without stages
             outer = await self.cascade.wrap(drafter, request.cascade, calls, failovers, self.info.vocab_size,
@@ -268,7 +270,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         links = Links(self.verify, self.draft, self.info, calls, failovers,
                       drafter_kind="service" if drafter_kind == "service" and self.draft else drafter_kind, q_dtype=self.q_dtype,
                       sparse_q=self.options.sparse_q,
-                      k_policy=lambda: FixedK(request.num_draft_tokens) if request.num_draft_tokens else None)
+                      k_policy=lambda: FixedK(request.num_draft_tokens) if request.num_draft_tokens else None,
+                      draft_costs=self.draft_costs)
 
         def final_stats(stats: SpecStats) -> common_pb2.SpeculationStats:
             pb = self._final_stats(stats, Plan.SKELETON, None, failovers)

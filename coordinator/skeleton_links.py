@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from coordinator.driver import Calls, FailoverDrafter, Failovers, FailoverVerifier, VerifyHandle, replica_failed
+from coordinator.driver import Calls, DraftCosts, FailoverDrafter, Failovers, FailoverVerifier, VerifyHandle, replica_failed
 from coordinator.pools import ServicePool
 from coordinator.siblings import SiblingCalls
 from servicekit.convert import sampling_to_pb
@@ -49,6 +49,7 @@ class Links:
     sparse_q: bool
     k_policy: Callable[[], KPolicy | None]  # a fresh policy per stream (None: adaptive)
     drafters: list[FailoverDrafter] = field(default_factory=list)  # every drafter made, for the stats
+    draft_costs: DraftCosts | None = None  # the coordinator's (FailoverDrafter: Draft sessions opened when first drafting)
     layout: int = common_pb2.BRANCH_LAYOUT_BATCHING  # how the Verify service lays out forked branches (BranchLayout)
     siblings: SiblingCalls = field(default_factory=SiblingCalls)  # the branches' Forks and rounds, grouped per turn
 
@@ -56,7 +57,7 @@ class Links:
         if self.drafter_kind == "none":
             return None
         drafter = FailoverDrafter(self.draft, self.calls, self.failovers, use_service=self.drafter_kind == "service",
-                                  q_dtype=self.q_dtype, sparse_q=self.sparse_q)
+                                  q_dtype=self.q_dtype, sparse_q=self.sparse_q, costs=self.draft_costs)
         self.drafters.append(drafter)
         return drafter
 
