@@ -76,6 +76,7 @@ class RemoteVerifier:
         self.counters = counters or WireCounters()
         self._info = info  # known already (saves a GetInfo), or asked on first use
         self.step_ms: float | None = None  # this replica's one-token forward, as its last OpenSession reported
+        self.forward_cost: ForwardCost | None = None  # its verify forwards' fit, as that OpenSession reported
         self._rounds: dict[str, int] = {}  # session -> rounds done
         self._forced: dict[str, list[int]] = {}  # session -> committed tokens its next Verify carries (lossy mode)
 
@@ -90,11 +91,18 @@ class RemoteVerifier:
             prompt_token_ids=list(prompt_ids), sampling=_token_level(params), encoder_input_ids=self.encoder_input_ids),
             timeout=self.timeout_s, metadata=self.metadata)
         self.step_ms = response.step_ms if response.HasField("step_ms") else None
+        self.forward_cost = None
+        if response.HasField("forward_fixed_ms") and response.HasField("forward_ms_per_token"):
+            self.forward_cost = ForwardCost(response.forward_fixed_ms, response.forward_ms_per_token, max(1, response.batch_size))
         return response.session_id, response.first_token_id
 
     def opened_ms_per_token(self, session_id: str) -> float | None:
         """`CostReporter`: the replica's one-token forward when the session opened."""
         return self.step_ms
+
+    def opened_forward_cost(self, session_id: str) -> ForwardCost | None:
+        """`CostReporter`: the replica's fit of its verify forwards when the session opened, at its recent batch size."""
+        return self.forward_cost
 
     async def commit(self, session_id: str, token_ids: Sequence[int]) -> None:
         """Lossy, opt-in: tokens the caller emitted without verification (an adaptive cascade's early

@@ -69,14 +69,19 @@ def run_verify_batch(verifier: TargetVerifier, calls: Sequence[VerifyCall],
     return [VerifyResult(outcome, len(calls), verify_ms, tokens, cost) for outcome in outcomes]
 
 
+BATCH_SIZE_WEIGHT = 0.2  # of the newest batch in `VerifyBatcher.recent_batch_size`
+
+
 class VerifyBatcher(WindowBatcher):
     def __init__(self, engine_thread: EngineThread, verifier: TargetVerifier, window_ms: float, max_batch_tokens: int,
                  metrics: ServiceMetrics, expected_callers: Callable[[], int] | None = None):
         def on_batch(calls: Sequence[VerifyCall]) -> None:
+            self.recent_batch_size += BATCH_SIZE_WEIGHT * (len(calls) - self.recent_batch_size)
             metrics.forwards.inc()
             metrics.batch_size.observe(len(calls))
             metrics.batch_tokens.observe(sum(c.num_tokens for c in calls))
 
+        self.recent_batch_size = 1.0  # sessions per forward, a moving average (what a new session will share)
         super().__init__(
             engine_thread, lambda calls: run_verify_batch(verifier, calls), window_ms, max_batch_tokens,
             cost=lambda call: call.num_tokens, on_batch=on_batch, on_queue_depth=metrics.queue_depth.set,

@@ -234,10 +234,15 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             target = await self._prefill(prompt, params, generator, constraint, encoder_input)
             session = self._new_session(target, len(prompt), seed, encoder_input)
             session_id = await self.add_session(session)
-        return verify_pb2.VerifyOpenSessionResponse(session_id=session_id, first_token_id=target.pending_token_id,
-                                                    ttl_ms=self.sessions.ttl_ms, seed=seed,
-                                                    finish_reason=FINISH_TO_PB[session.round.finish_reason],
-                                                    step_ms=self.engine.stats.step_ms)
+        response = verify_pb2.VerifyOpenSessionResponse(session_id=session_id, first_token_id=target.pending_token_id,
+                                                        ttl_ms=self.sessions.ttl_ms, seed=seed,
+                                                        finish_reason=FINISH_TO_PB[session.round.finish_reason],
+                                                        step_ms=self.engine.stats.step_ms)
+        batch_size = max(1, round(self.batcher.recent_batch_size))
+        cost = self.verifier.forward_cost(batch_size)
+        if cost is not None:  # the caller's prior beta (its k policy), at the batch this session will likely share
+            response.forward_fixed_ms, response.forward_ms_per_token, response.batch_size = cost.fixed_ms, cost.ms_per_token, batch_size
+        return response
 
     async def _constraint(self, pb: verify_pb2.SkeletonConstraint, prompt: list[int]) -> GrammarConstraint:
         """The plan grammar for a new session, its state after the prompt's forced tokens."""

@@ -23,7 +23,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from specmesh.decoding.adaptive import AdaptiveK, FixedK, KPolicy
+from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, KPolicy
 from specmesh.decoding.plan import Plan
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, resolve_seed
@@ -95,6 +95,16 @@ class CostReporter(Protocol):
     in-process loop's engines do, so a drafter that cannot pay is not run for a first round."""
 
     def opened_ms_per_token(self, session: Any) -> float | None: ...
+
+
+@runtime_checkable
+class ForwardCostReporter(Protocol):
+    """Optional, on the verifier: its fit of its verify forwards when the session opened (None: not known
+    yet), at the batch the session will likely share. The adaptive k policy's prior beta, as the in-process
+    loop's verifier gives it (`TargetVerifier.forward_cost`): without it a first round prices a draft token at
+    beta 0.1, where a CPU's verify forward grows 15-17% a token alone, and far more in a batch of 16."""
+
+    def opened_forward_cost(self, session: Any) -> ForwardCost | None: ...
 
 
 @runtime_checkable
@@ -171,7 +181,9 @@ async def speculative_stream_async(
 def _prior_costs(state: SpeculationState, verifier: Any, session: Any, drafter: Any, draft_state: Any) -> None:
     """Both sides' `CostReporter` figures, if both have them, as the adaptive policy's prior."""
     if isinstance(state.k_policy, AdaptiveK) and isinstance(verifier, CostReporter) and isinstance(drafter, CostReporter):
-        state.k_policy.prior_costs(drafter.opened_ms_per_token(draft_state), verifier.opened_ms_per_token(session))
+        forward_cost = verifier.opened_forward_cost(session) if isinstance(verifier, ForwardCostReporter) else None
+        state.k_policy.prior_costs(drafter.opened_ms_per_token(draft_state), verifier.opened_ms_per_token(session),
+                                   forward_cost=forward_cost)
         if isinstance(drafter, AheadReporter) and drafter.opened_drafting_ahead(draft_state):
             state.k_policy.set_drafting_ahead(True)
 

@@ -4,6 +4,7 @@ TTL, cancellation, health and reflection. Tiny random models; the in-process loo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -17,12 +18,14 @@ from draft_service.server import create_server as create_draft
 from servicekit.background import BackgroundServices
 from servicekit.channels import open_channel as channel
 from servicekit.convert import distributions_to_pb
-from servicekit.remote import outcome_from_pb
+from servicekit.remote import RemoteVerifier, outcome_from_pb
 from servicekit.wire_loop import wire_generation
-from specmesh.decoding.adaptive import FixedK, ForwardCost
+from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost
+from specmesh.decoding.async_driver import _prior_costs
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import AcceptanceRule, SamplingParams
 from specmesh.decoding.speculative import generate
+from specmesh.decoding.state import SpeculationState
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.ngram import PromptLookupDrafter
@@ -179,6 +182,32 @@ def test_verify_reports_the_fitted_forward_cost_once_draft_lengths_vary(cluster)
     assert last.HasField("forward_fixed_ms") and last.HasField("forward_ms_per_token")
     assert last.forward_fixed_ms >= 0 and last.forward_ms_per_token >= 0
     assert outcome_from_pb(last, draft).cost == ForwardCost(last.forward_fixed_ms, last.forward_ms_per_token, 1)
+
+    async def open_again():  # a later session hears the fit when it opens: its k policy's prior beta
+        async with channel(address) as ch:
+            remote = RemoteVerifier(verify_pb2_grpc.VerifyServiceStub(ch))
+            session_id, _ = await remote.open(prompt, SamplingParams(temperature=0.0, max_new_tokens=8))
+            cost = remote.opened_forward_cost(session_id)
+            policy = AdaptiveK()
+            state = SpeculationState(SamplingParams(temperature=0.0, max_new_tokens=8), num_prompt_tokens=len(prompt),
+                                     max_context=512, eos_token_ids=(), k_policy=policy, has_drafter=True, seed=1)
+            _prior_costs(state, remote, session_id, CostsOf(draft_ms=1.0), None)
+            await remote.close(session_id)
+            return cost, policy
+
+    cost, policy = asyncio.run(open_again())
+    assert cost is not None and cost.batch_size == 1 and cost.fixed_ms >= 0 and cost.ms_per_token >= 0
+    assert policy.beta == cost.beta()  # not the prior 0.1
+
+
+@dataclasses.dataclass
+class CostsOf:
+    """A drafter that only reports its cost (`CostReporter`)."""
+
+    draft_ms: float
+
+    def opened_ms_per_token(self, session) -> float:
+        return self.draft_ms
 
 
 def _code(call) -> grpc.StatusCode:

@@ -112,6 +112,9 @@ class VerifyOpenSessionResponse(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     STEP_MS_FIELD_NUMBER: _builtins.int
+    FORWARD_FIXED_MS_FIELD_NUMBER: _builtins.int
+    FORWARD_MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     first_token_id: _builtins.int
     """the target's token after the prompt"""
@@ -124,6 +127,14 @@ class VerifyOpenSessionResponse(_message.Message):
     """(EOS, max_new_tokens = 1, a full context): rounds are refused
     this replica's one-token forward now (recent average); unset until
     """
+    forward_fixed_ms: _builtins.float
+    """one ran. The caller's k policy prior, beside the drafter's cost
+    The service's fit of its verify forwards (as in VerifyResponse: fixed + per token x tokens), shared by
+    batch_size sessions (its recent batches' mean): the prior's verify cost growth per draft token, unset
+    until rounds of different sizes ran. Under load a draft token costs the whole batch's forward more.
+    """
+    forward_ms_per_token: _builtins.float
+    batch_size: _builtins.int
     def __init__(
         self,
         *,
@@ -133,13 +144,25 @@ class VerifyOpenSessionResponse(_message.Message):
         seed: _builtins.int = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         step_ms: _builtins.float | None = ...,
+        forward_fixed_ms: _builtins.float | None = ...,
+        forward_ms_per_token: _builtins.float | None = ...,
+        batch_size: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_step_ms", b"_step_ms", "step_ms", b"step_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "_step_ms", b"_step_ms", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token", "step_ms", b"step_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step_ms", b"_step_ms", "finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "seed", b"seed", "session_id", b"session_id", "step_ms", b"step_ms", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "_step_ms", b"_step_ms", "batch_size", b"batch_size", "finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token", "seed", b"seed", "session_id", b"session_id", "step_ms", b"step_ms", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__forward_fixed_ms: _TypeAlias = _typing.Literal["forward_fixed_ms"]  # noqa: Y015
+    _WhichOneofArgType__forward_fixed_ms: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms"]  # noqa: Y015
+    _WhichOneofReturnType__forward_ms_per_token: _TypeAlias = _typing.Literal["forward_ms_per_token"]  # noqa: Y015
+    _WhichOneofArgType__forward_ms_per_token: _TypeAlias = _typing.Literal["_forward_ms_per_token", b"_forward_ms_per_token"]  # noqa: Y015
     _WhichOneofReturnType__step_ms: _TypeAlias = _typing.Literal["step_ms"]  # noqa: Y015
     _WhichOneofArgType__step_ms: _TypeAlias = _typing.Literal["_step_ms", b"_step_ms"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__forward_fixed_ms) -> _WhichOneofReturnType__forward_fixed_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__forward_ms_per_token) -> _WhichOneofReturnType__forward_ms_per_token | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__step_ms) -> _WhichOneofReturnType__step_ms | None: ...
 
 Global___VerifyOpenSessionResponse: _TypeAlias = VerifyOpenSessionResponse  # noqa: Y015
