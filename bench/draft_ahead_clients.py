@@ -8,12 +8,14 @@ the same work in every mode). Modes, through the one Coordinator:
 - speculative, Draft service drafting ahead: `--mode speculative --drafter service`, adaptive k (the measured
   costs decide whether a round drafts, and how far ahead);
 - speculative, n-gram drafts: `--drafter ngram` (made in the Coordinator: this Verify service hosts none);
-- autoregressive.
+- autoregressive;
+- the shipped placement (configs/local.yaml: the two services lending each other their cores, no drafting
+  ahead), through a Coordinator of its own: speculative with the Draft service, adaptive k, and autoregressive.
 The modes take turns (the order reversed every other round), REPEATS rounds; medians, and per round the
 speculative / autoregressive ratio (runs of one round are close in time). Every request's tokens must equal
 the autoregressive run's for the same client and prompt.
 
-    .venv/bin/python bench/draft_ahead_clients.py [--clients 16] [--repeats 5]   # ~6 minutes
+    .venv/bin/python bench/draft_ahead_clients.py [--clients 16] [--repeats 5]   # ~10 minutes
     -> bench/results/draft_ahead_clients.{json,md}
 """
 
@@ -42,12 +44,15 @@ from engine import cpu_model  # noqa: E402
 from client.cluster import Cluster  # noqa: E402
 from specmesh.models.resolve import resolve_model_spec  # noqa: E402
 
-MODES = {  # name: (mode, drafter)
-    "speculative, Draft service drafting ahead": (SPEC, "service"),
-    "speculative, n-gram drafts": (SPEC, "ngram"),
-    "autoregressive": (AR, ""),
+LENDING_BASE = "autoregressive, lending cores"
+MODES = {  # name: (coordinator of draft_ahead.config, mode, drafter, the row it is paired with)
+    "speculative, Draft service drafting ahead": ("ahead", SPEC, "service", "autoregressive"),
+    "speculative, n-gram drafts": ("ahead", SPEC, "ngram", "autoregressive"),
+    "autoregressive": ("ahead", AR, "", "autoregressive"),
+    # configs/local.yaml's placement: each service lends its core to the other while it runs no job, no drafting ahead
+    "speculative, lending cores, Draft service (shipped)": ("lend", SPEC, "service", LENDING_BASE),
+    LENDING_BASE: ("lend", AR, "", LENDING_BASE),
 }
-BASE = "autoregressive"
 
 
 def main() -> int:
@@ -61,26 +66,28 @@ def main() -> int:
         path = Path(tmp) / "cluster.yaml"
         path.write_text(yaml.safe_dump(config(folder)))
         with Cluster.from_yaml(path, log_dir=tmp) as cluster:
-            address = cluster.addresses["ahead"]
-            for mode, drafter in MODES.values():  # warm-up: kernels, and the coordinator's measured costs
-                asyncio.run(concurrent(address, 2, mode, drafter))
+            addresses = cluster.addresses
+            for where, mode, drafter, _ in MODES.values():  # warm-up: kernels, and the coordinators' measured costs
+                asyncio.run(concurrent(addresses[where], 2, mode, drafter))
             for repeat in range(args.repeats):
                 for name in (list(MODES) if repeat % 2 == 0 else list(MODES)[::-1]):
-                    runs[name].append(asyncio.run(concurrent(address, args.clients, *MODES[name], outputs=True)))
+                    where, mode, drafter, _ = MODES[name]
+                    runs[name].append(asyncio.run(concurrent(addresses[where], args.clients, mode, drafter, outputs=True)))
                 print(f"round {repeat + 1}/{args.repeats}: " + ", ".join(
                     f"{name} {r[-1]['tokens_per_s']:.1f} tok/s" for name, r in runs.items()), flush=True)
 
     rows = []
     for name, name_runs in runs.items():
-        exact = all(run["outputs"] == base["outputs"] for run, base in zip(name_runs, runs[BASE]))
-        paired = [run["tokens_per_s"] / base["tokens_per_s"] for run, base in zip(name_runs, runs[BASE])]
-        rows.append({"mode": name, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in name_runs),
+        base = MODES[name][3]
+        exact = all(run["outputs"] == ref["outputs"] for run, ref in zip(name_runs, runs["autoregressive"]))
+        paired = [run["tokens_per_s"] / ref["tokens_per_s"] for run, ref in zip(name_runs, runs[base])]
+        rows.append({"mode": name, "base": base, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in name_runs),
                      "paired_ratios": paired, "exact": exact,
                      "drafted_per_round": statistics.median(r["drafted_per_round"] for r in name_runs),
                      "acceptance": statistics.median(r["acceptance"] for r in name_runs)})
-    base_tps = rows[-1]["tokens_per_s"]
+    base_tps = {row["mode"]: row["tokens_per_s"] for row in rows}
     for row in rows:
-        row["ratio"] = row["tokens_per_s"] / base_tps
+        row["ratio"] = row["tokens_per_s"] / base_tps[row["base"]]
     out = {"command": f".venv/bin/python bench/draft_ahead_clients.py --clients {args.clients} --repeats {args.repeats}",
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{cpu_model()}, {os.cpu_count()} cpus",
            "clients": args.clients, "repeats": args.repeats, "tokens": CONCURRENT_NEW_TOKENS, "load_average": os.getloadavg()[0],
@@ -98,12 +105,14 @@ def render(out: dict) -> str:
              f"Run {out['date']} on {out['machine']}; load average at the end {out['load_average']:.1f}.", "",
              f"Command: `{out['command']}`", "",
              "Draft service (bf16 self-draft, drafting ahead) pinned to core 0, Verify service (fp32) to core 1, one "
-             f"thread each, one Coordinator; default model, greedy, {out['tokens']} new tokens a request, each client "
+             "thread each, one Coordinator; the lending rows: another such pair and Coordinator placed as "
+             "configs/local.yaml ships it (each service also runs a job on the other's core while that one runs none; "
+             f"no drafting ahead). Default model, greedy, {out['tokens']} new tokens a request, each client "
              f"asking the {len(PROMPTS)} prompts of bench/cluster.py in turn. The modes take turns, {out['repeats']} "
-             "rounds; medians. Paired: the mode / autoregressive within each round (lowest, median, highest). Exact: "
-             "every request's tokens equal the autoregressive run's of the same round.", "",
-             "| mode | aggregate tok/s | / autoregressive | paired (lowest / median / highest) | drafted per round | "
-             "acceptance | exact |", "|---|---|---|---|---|---|---|"]
+             "rounds; medians. Paired: the mode / its autoregressive row (the same placement) within each round "
+             "(lowest, median, highest). Exact: every request's tokens equal the autoregressive run's of the same round.",
+             "", "| mode | aggregate tok/s | / autoregressive (same placement) | paired (lowest / median / highest) | "
+             "drafted per round | acceptance | exact |", "|---|---|---|---|---|---|---|"]
     for row in out["rows"]:
         paired = row["paired_ratios"]
         lines.append(f"| {row['mode']} | {row['tokens_per_s']:.1f} | {row['ratio']:.3f}x | {min(paired):.2f} / "
