@@ -24,7 +24,11 @@ supplies the verifier and drafter it steps, as failover wrappers over the gRPC a
   engine job to take its cores from a Verify service that borrows them. Opened late, the session gets
   the same prompt and, with its first Propose, every token since: what it would have been told had it
   opened first (a model drafter prefills lazily anyway; its generator is seeded at open), so the
-  drafts are the same.
+  drafts are the same. `DraftCosts` follows the cost each Propose answer reports, so the next
+  request's prior is what an OpenSession would say then.
+  Nor is a call sent that asks for no draft tokens while the session owes no verdict (a request's last
+  round after plain decoding, k capped at 0): its tokens go with the next call, if any. Sent, it made a
+  model drafter prefill the whole context for nothing.
 """
 
 from __future__ import annotations
@@ -277,6 +281,8 @@ class DraftHandle:
     opened_s: float = field(default_factory=time.perf_counter)
     num_prompt_tokens: int = 0
     deferred: bool = False  # the Draft session opens with the first Propose (module docstring)
+    held: list[int] = field(default_factory=list)  # tokens of calls not sent (module docstring): the next one's
+    last_drafted: int = 0  # tokens the Draft session's last proposal drafted (its verdict must come next)
 
 
 class FailoverDrafter:
@@ -348,17 +354,20 @@ class FailoverDrafter:
         return handle.remote_session is not None and handle.remote_session.drafts_ahead
 
     async def propose(self, handle: DraftHandle, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
-        told = list(accepted_since_last)  # what the Draft session is told with this call
-        if handle.deferred:
-            if not max_tokens:  # nothing to draft (a request's last round): no session for it
-                handle.context.extend(told)
-                return DraftProposal(token_ids=[])
-            told = handle.context[handle.num_prompt_tokens:] + told  # opened with the prompt: every token since
-            await self._open_remote(handle)
         handle.context.extend(accepted_since_last)
+        told = [*handle.held, *accepted_since_last]  # what the Draft session is told with this call
+        if (handle.deferred or handle.remote_session is not None) and not max_tokens and not handle.last_drafted:
+            handle.held = told  # nothing to draft and no verdict owed (a request's last round): not sent
+            return DraftProposal(token_ids=[])
+        if handle.deferred:
+            await self._open_remote(handle)  # opened with the prompt: `told` is every token since
         if handle.remote is not None and handle.remote_session is not None:
             try:
-                return await handle.remote.propose(handle.remote_session, told, max_tokens)
+                proposal = await handle.remote.propose(handle.remote_session, told, max_tokens)
+                handle.held, handle.last_drafted = [], proposal.num_tokens
+                if self.costs is not None:
+                    self.costs.heard(handle.remote_session)  # its cost now, as the answer said
+                return proposal
             except grpc.aio.AioRpcError as exc:
                 if not replica_failed(exc):
                     raise

@@ -201,12 +201,12 @@ class RemoteVerifier:
                                                     timeout=self.timeout_s, metadata=self.metadata))
 
 
-@dataclass(frozen=True)
+@dataclass
 class RemoteDraftSession:
     session_id: str
     needs_q: bool  # standard sampling: the verifier needs the draft distributions (`SamplingParams.needs_q`)
     rounds: list[int] = field(default_factory=lambda: [0])  # Propose calls answered (mutable cell)
-    ms_per_token: float | None = None  # what a draft token cost on the service when the session opened
+    ms_per_token: float | None = None  # a draft token's cost on the service: at open, then as its last Propose answer said
     drafts_ahead: bool = False  # the service drafts each next round while the last one is verified
 
 
@@ -251,6 +251,8 @@ class RemoteDrafter:
             distributions_dtype=PB_BY_TORCH[self.q_dtype], round_index=session.rounds[0])
         response = await call_round(self.stub.Propose, request, self.timeout_s, self.metadata or ())
         session.rounds[0] = response.round_index + 1
+        if response.HasField("ms_per_token"):
+            session.ms_per_token = response.ms_per_token  # the service's cost now (`CostReporter` of later sessions)
         self.counters.add(request, response)
         token_ids = token_ids_from_pb(response.draft_token_ids, self._vocab_size, "draft_token_ids")
         q = None

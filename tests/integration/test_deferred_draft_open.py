@@ -78,7 +78,10 @@ def test_a_request_that_never_drafts_opens_no_draft_session(draft):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_session_opened_at_the_first_draft_drafts_what_an_early_one_would(draft, temperature):
     params = SamplingParams(temperature=temperature, max_new_tokens=32, seed=11)
-    deferred = asyncio.run(requests(draft, DraftCosts(), params, draft_later=True))
+    costs = DraftCosts()
+    deferred = asyncio.run(requests(draft, costs, params, draft_later=True))
+    # the cost follows the Propose answers: what an OpenSession would report now (the next request's prior)
+    assert costs.ms_per_token == draft.servicer.drafter.ms_per_token is not None
     assert deferred["told_nothing"] == [] and deferred["opened_by_k0"] == 0  # a call for no draft opens nothing
     assert deferred["late_opened"] == 1  # opened by its first draft, told the prompt and every token since
 

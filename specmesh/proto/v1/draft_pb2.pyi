@@ -154,6 +154,7 @@ class ProposeResponse(_message.Message):
     ROUND_INDEX_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_ACCEPTANCE_FIELD_NUMBER: _builtins.int
     AHEAD_FORWARD_MS_FIELD_NUMBER: _builtins.int
+    MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     draft_ms: _builtins.float
     """time spent drafting inside the service"""
     round_index: _builtins.int
@@ -164,6 +165,10 @@ class ProposeResponse(_message.Message):
     """(n-gram drafters); an adaptive caller may skip verifying a draft
     whose estimate does not pay. Absent: no estimate
     set when the service drafts ahead for this session: what one of its
+    """
+    ms_per_token: _builtins.float
+    """draft forwards takes now (ms, recent average), the k policy's draft cost
+    a one-token forward here now (recent average), as OpenSession reports
     """
     @_builtins.property
     def draft_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -187,19 +192,24 @@ class ProposeResponse(_message.Message):
         round_index: _builtins.int = ...,
         first_token_acceptance: _builtins.float | None = ...,
         ahead_forward_ms: _builtins.float | None = ...,
+        ms_per_token: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_ahead_forward_ms", b"_ahead_forward_ms", "_first_token_acceptance", b"_first_token_acceptance", "ahead_forward_ms", b"ahead_forward_ms", "distributions", b"distributions", "first_token_acceptance", b"first_token_acceptance"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ahead_forward_ms", b"_ahead_forward_ms", "_first_token_acceptance", b"_first_token_acceptance", "_ms_per_token", b"_ms_per_token", "ahead_forward_ms", b"ahead_forward_ms", "distributions", b"distributions", "first_token_acceptance", b"first_token_acceptance", "ms_per_token", b"ms_per_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ahead_forward_ms", b"_ahead_forward_ms", "_first_token_acceptance", b"_first_token_acceptance", "ahead_forward_ms", b"ahead_forward_ms", "distributions", b"distributions", "draft_ms", b"draft_ms", "draft_token_ids", b"draft_token_ids", "first_token_acceptance", b"first_token_acceptance", "round_index", b"round_index", "tree_parents", b"tree_parents"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ahead_forward_ms", b"_ahead_forward_ms", "_first_token_acceptance", b"_first_token_acceptance", "_ms_per_token", b"_ms_per_token", "ahead_forward_ms", b"ahead_forward_ms", "distributions", b"distributions", "draft_ms", b"draft_ms", "draft_token_ids", b"draft_token_ids", "first_token_acceptance", b"first_token_acceptance", "ms_per_token", b"ms_per_token", "round_index", b"round_index", "tree_parents", b"tree_parents"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ahead_forward_ms: _TypeAlias = _typing.Literal["ahead_forward_ms"]  # noqa: Y015
     _WhichOneofArgType__ahead_forward_ms: _TypeAlias = _typing.Literal["_ahead_forward_ms", b"_ahead_forward_ms"]  # noqa: Y015
     _WhichOneofReturnType__first_token_acceptance: _TypeAlias = _typing.Literal["first_token_acceptance"]  # noqa: Y015
     _WhichOneofArgType__first_token_acceptance: _TypeAlias = _typing.Literal["_first_token_acceptance", b"_first_token_acceptance"]  # noqa: Y015
+    _WhichOneofReturnType__ms_per_token: _TypeAlias = _typing.Literal["ms_per_token"]  # noqa: Y015
+    _WhichOneofArgType__ms_per_token: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ahead_forward_ms) -> _WhichOneofReturnType__ahead_forward_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__first_token_acceptance) -> _WhichOneofReturnType__first_token_acceptance | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ms_per_token) -> _WhichOneofReturnType__ms_per_token | None: ...
 
 Global___ProposeResponse: _TypeAlias = ProposeResponse  # noqa: Y015
 
