@@ -259,9 +259,9 @@ class FailoverVerifier:
 
 @dataclass
 class DraftCosts:
-    """What the Draft replicas' sessions said when they opened, the latest (module docstring): a draft
-    token's cost (ms; None until one opened) and whether they draft ahead. Shared by the requests of
-    one Coordinator."""
+    """What the Draft replicas said last, at an OpenSession or in a Propose answer (module docstring): a
+    draft token's cost (ms; None until a session opened) and whether they draft ahead. Shared by the
+    requests of one Coordinator."""
 
     ms_per_token: float | None = None
     drafts_ahead: bool = False
@@ -344,7 +344,7 @@ class FailoverDrafter:
 
     def opened_ms_per_token(self, handle: DraftHandle) -> float | None:
         """`CostReporter`: a draft token's cost on the Draft replica, as it reported (a deferred session: as the
-        latest session to open reported; n-grams: not known)."""
+        replicas said last, `DraftCosts`; n-grams: not known)."""
         if handle.deferred:
             return self.costs.ms_per_token if self.costs is not None else None
         return handle.remote_session.ms_per_token if handle.remote_session is not None else None

@@ -280,12 +280,12 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             if held is not None:
                 session.hit_rate = moving_average(session.hit_rate, float(held))
             response = propose_response(result.proposal, request, self.vocab_size, result.draft_ms)
+            # the engine's one-token forwards (recent average, those ahead included)
             ms_per_token = getattr(self.drafter, "ms_per_token", None)
             if ms_per_token is not None:  # what an OpenSession would report now: the caller's next prior
                 response.ms_per_token = ms_per_token
-            if self.draft_ahead and session.draft_ahead:
-                # the engine's one-token forwards (recent average, those ahead included); a batch's, under load
-                forward_ms = getattr(self.drafter, "ms_per_token", None) if self.num_sessions <= 1 else None
+            if self.draft_ahead and session.draft_ahead:  # that, or under load a batch's
+                forward_ms = ms_per_token if self.num_sessions <= 1 else None
                 forward_ms = forward_ms or self._ahead_forward_ms
                 if forward_ms is not None:
                     response.ahead_forward_ms = forward_ms

@@ -91,9 +91,7 @@ class RemoteVerifier:
             prompt_token_ids=list(prompt_ids), sampling=_token_level(params), encoder_input_ids=self.encoder_input_ids),
             timeout=self.timeout_s, metadata=self.metadata)
         self.step_ms = response.step_ms if response.HasField("step_ms") else None
-        self.forward_cost = None
-        if response.HasField("forward_fixed_ms") and response.HasField("forward_ms_per_token"):
-            self.forward_cost = ForwardCost(response.forward_fixed_ms, response.forward_ms_per_token, max(1, response.batch_size))
+        self.forward_cost = forward_cost_from_pb(response)
         return response.session_id, response.first_token_id
 
     def opened_ms_per_token(self, session_id: str) -> float | None:
@@ -101,7 +99,7 @@ class RemoteVerifier:
         return self.step_ms
 
     def opened_forward_cost(self, session_id: str) -> ForwardCost | None:
-        """`CostReporter`: the replica's fit of its verify forwards when the session opened, at its recent batch size."""
+        """`ForwardCostReporter`: the replica's fit of its verify forwards when the session opened, at its recent batch size."""
         return self.forward_cost
 
     async def commit(self, session_id: str, token_ids: Sequence[int]) -> None:
@@ -283,11 +281,15 @@ def outcome_from_pb(response: verify_pb2.VerifyResponse, proposal: DraftProposal
     else:
         nodes = list(range(num_accepted))
         bonus = num_accepted == proposal.num_tokens
-    cost = None
-    if response.HasField("forward_fixed_ms") and response.HasField("forward_ms_per_token"):
-        cost = ForwardCost(response.forward_fixed_ms, response.forward_ms_per_token, max(1, response.batch_size))
     return VerifyOutcome(nodes, tokens[:num_accepted], tokens[num_accepted],
-                         FinalTokenKind.BONUS if bonus else FinalTokenKind.RECOVERED, cost=cost)
+                         FinalTokenKind.BONUS if bonus else FinalTokenKind.RECOVERED, cost=forward_cost_from_pb(response))
+
+
+def forward_cost_from_pb(response) -> ForwardCost | None:
+    """The Verify service's fit of its forwards as a VerifyResponse or VerifyOpenSessionResponse carries it, or None."""
+    if response.HasField("forward_fixed_ms") and response.HasField("forward_ms_per_token"):
+        return ForwardCost(response.forward_fixed_ms, response.forward_ms_per_token, max(1, response.batch_size))
+    return None
 
 
 def _token_level(params: SamplingParams):
