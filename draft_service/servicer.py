@@ -16,6 +16,9 @@ still run when the session's next Propose is due (the time from an answer to the
 per session, against the measured time of a forward ahead) would delay that call on a miss, and on a
 hit save the part of it done before: it is started only where the session's guesses usually hold
 (`specmesh.decoding.ahead.forward_pays` weighs the two with the session's measured hit rate).
+A session that drafts ahead also takes in its prompt at OpenSession (`ModelDrafter.prefill`): the
+Coordinator opens it beside the Verify session, so the two prefills overlap, and its first Propose
+feeds the target's first token, as later ones feed their verdicts.
 """
 
 from __future__ import annotations
@@ -233,10 +236,14 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         return validate_encoder_input(encoder_input_ids, self.engine.max_encoder_tokens, self.vocab_size)
 
     def _open(self, prompt: list[int], encoder_input_ids: list[int]):
-        """Engine thread: a drafter state (on the engine bound to the encoder input, if one is given)."""
+        """Engine thread: a drafter state (on the engine bound to the encoder input, if one is given). Drafting
+        ahead, the prompt is prefilled now, beside the target's prefill (module docstring)."""
         if encoder_input_ids:
             return ModelDrafter(self.engine.bind(encoder_input_ids)).open(prompt)
-        return self.drafter.open(prompt)
+        state = self.drafter.open(prompt)
+        if self.draft_ahead:
+            self.drafter.prefill([state])
+        return state
 
     # RPCs
     @rpc_method

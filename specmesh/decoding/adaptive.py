@@ -186,6 +186,7 @@ class AdaptiveK:
         self.ahead_overhead_ms: float | None = None  # o: a drafted-ahead round's draft wait beyond the model (mean)
         self.ahead_decode_ms: float | None = None  # v1 as drafting rounds measure it while the drafter runs beside
         self._ahead_fit = LinearCostFit(min_spread_tokens=0.5)  # those rounds' verify ms ~ fixed + per token * (k + 1)
+        self._last_drafted = 0  # the round before's drafts: how far the drafter drafted ahead of this round
 
     def next_k(self) -> int:
         return self._k
@@ -212,9 +213,10 @@ class AdaptiveK:
     def set_drafting_ahead(self, on: bool, forward_ms: float | None = None) -> None:
         """Whether the drafter drafts each next round while the last one is verified, and (`forward_ms`) what
         one of its forwards costs now, as it says: rounds are then priced by what drafting ahead hides
-        (module docstring). The first k stays the prior costs' (`prior_costs`): priced as drafted ahead at
-        the prior acceptance, a self-draft's first round, which also prefills the prompt on the drafter, cost
-        more than the plain rounds it let in (bench/draft_ahead.py, module docstring)."""
+        (module docstring). Set before `prior_costs`, the first k is priced so too, at the prior acceptance: the
+        Draft service prefills a drafting-ahead session's prompt when it opens, beside the target's prefill, so
+        the first round waits for its drafts only (draft_service/servicer.py). Priced in turn, a bf16 self-draft
+        on a core of its own never drafted (bench/draft_ahead.py)."""
         self.drafts_ahead = on
         if on and forward_ms is not None:
             self.draft_ms_per_token = forward_ms
@@ -282,8 +284,10 @@ class AdaptiveK:
                 extra = max(0.0, draft_ms - num_drafted * self.draft_ms_per_token)
                 self.catch_up_ms_per_token = self._ema(self.catch_up_ms_per_token, extra / catch_up)
             elif self.drafts_ahead:  # the wait, not a forward's cost (which the drafter reports)
-                modelled = self._round_ms(num_drafted, self.acceptance, overhead=False) - self._verify_ms(num_drafted)
-                self.ahead_overhead_ms = self._ema(self.ahead_overhead_ms, draft_ms - modelled)
+                if num_drafted <= self._last_drafted:  # else it drafted ahead fewer than this round's: o would
+                    # take in the rest of its drafts (the model's round(k) is that of a run of rounds at k)
+                    modelled = self._round_ms(num_drafted, self.acceptance, overhead=False) - self._verify_ms(num_drafted)
+                    self.ahead_overhead_ms = self._ema(self.ahead_overhead_ms, draft_ms - modelled)
             else:
                 self.draft_ms_per_token = self._ema(self.draft_ms_per_token, draft_ms / num_drafted)
         step_ms = verify_ms / (1.0 + self.beta * num_drafted)
@@ -291,6 +295,7 @@ class AdaptiveK:
             self.ahead_decode_ms = self._ema(self.ahead_decode_ms, step_ms)
         else:
             self.decode_ms = self._ema(self.decode_ms, step_ms)
+        self._last_drafted = num_drafted
         self._k = self._choose(num_drafted, outlook)
 
     def pays(self, acceptance: float) -> bool:
@@ -353,6 +358,8 @@ class AdaptiveK:
 
     def _choose(self, last_k: int, outlook: Outlook | None = None) -> int:
         best = self._best()
+        if self.drafts_ahead and last_k > 0:  # at most double: it drafted last_k ahead of the next round
+            best = min(best, 2 * last_k)
         if best != 0:
             self._probe_interval = self.probe_every
         else:

@@ -17,6 +17,7 @@ its generator from it (the drafter's through `draft_seed`), as in-process.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
@@ -150,7 +151,13 @@ async def speculative_stream_async(
     )
     state.stats.plan = plan.value
     start = time.perf_counter()
-    session, first_token_id = await verifier.open(prompt_ids, params)
+    # the drafter's session opens beside the verifier's (a Draft service drafting ahead prefills it then)
+    draft_opening = asyncio.ensure_future(drafter.open(prompt_ids, params)) if drafter is not None else None
+    try:
+        session, first_token_id = await verifier.open(prompt_ids, params)
+    except BaseException:
+        await _discard_opening(drafter, draft_opening)
+        raise
     draft_state = None
     try:
         yield state.start(first_token_id, (time.perf_counter() - start) * 1e3)
@@ -163,7 +170,8 @@ async def speculative_stream_async(
             rounds = _fused_steps(verifier, session, state)
         else:
             if drafter is not None:
-                draft_state = await drafter.open(prompt_ids, params)
+                assert draft_opening is not None
+                draft_state = await draft_opening
                 _prior_costs(state, verifier, session, drafter, draft_state)
             rounds = _client_rounds(verifier, session, state, drafter, draft_state,
                                     plain_runs=plan.plain_runs)
@@ -176,16 +184,29 @@ async def speculative_stream_async(
         await verifier.close(session)
         if drafter is not None and draft_state is not None:
             await drafter.close(draft_state)
+        elif draft_opening is not None:  # not taken (finished at the first token, or a failure)
+            await _discard_opening(drafter, draft_opening)
+
+
+async def _discard_opening(drafter: Any, opening: asyncio.Future | None) -> None:
+    """A drafter's session opened beside the verifier's and not used: the open cancelled, or its session
+    closed; an open that failed is dropped (the request fails, or ends, for its own reason)."""
+    if opening is None:
+        return
+    opening.cancel()
+    outcomes: tuple[Any, ...] = await asyncio.gather(opening, return_exceptions=True)
+    if not isinstance(outcomes[0], BaseException):  # else cancelled, or failed: nothing opened
+        await drafter.close(outcomes[0])
 
 
 def _prior_costs(state: SpeculationState, verifier: Any, session: Any, drafter: Any, draft_state: Any) -> None:
     """Both sides' `CostReporter` figures, if both have them, as the adaptive policy's prior."""
     if isinstance(state.k_policy, AdaptiveK) and isinstance(verifier, CostReporter) and isinstance(drafter, CostReporter):
         forward_cost = verifier.opened_forward_cost(session) if isinstance(verifier, ForwardCostReporter) else None
+        if isinstance(drafter, AheadReporter) and drafter.opened_drafting_ahead(draft_state):
+            state.k_policy.set_drafting_ahead(True)  # first: the first k is priced as drafted ahead
         state.k_policy.prior_costs(drafter.opened_ms_per_token(draft_state), verifier.opened_ms_per_token(session),
                                    forward_cost=forward_cost)
-        if isinstance(drafter, AheadReporter) and drafter.opened_drafting_ahead(draft_state):
-            state.k_policy.set_drafting_ahead(True)
 
 
 def _check_plan(plan: Plan, drafter: AsyncDrafter | None) -> None:

@@ -116,6 +116,18 @@ class ModelDrafter:
     def close(self, state: ModelDraftState) -> None:
         self.engine.free(state.seq_id)
 
+    def prefill(self, states: Sequence[ModelDraftState]) -> None:
+        """Take in now what the next proposal would feed first (a session's prompt, say), all but its last
+        token, in one forward for the states that have no draft outstanding: a Draft service on cores of its
+        own does this at open, beside the target's prefill, so the first proposal feeds one or two tokens.
+        The drafts are those a proposal feeding it all at once makes (the same context in the KV)."""
+        chosen = [s for s in states if not s.num_drafted and s.ahead is None and len(s.pending) > 1]
+        if not chosen:
+            return
+        self.engine.forward([SeqInput(s.seq_id, s.pending[:-1], []) for s in chosen])
+        for state in chosen:
+            state.pending = state.pending[-1:]
+
     def check_call(self, state: ModelDraftState, accepted_since_last: Sequence[int], max_tokens: int) -> None:
         """After a proposal of k tokens, the next call must bring the accepted ones and the target's
         own token (1 to k + 1 tokens); a proposal needs something to feed."""

@@ -6,7 +6,8 @@
 One request, as the Coordinator runs it (coordinator/driver.py over specmesh.decoding.state):
   client -> coordinator; the target router (`ReplicaSet` of specmesh.routing, as-is, on the virtual
   clock) picks a Verify replica for the session's whole life, and (distributed mode) the draft
-  router a draft device (its drafter prefills lazily, in the first Propose's forward);
+  router a draft device, whose session opens beside the Verify session (its drafter prefills lazily, in the
+  first Propose's forward; drafting ahead, at open);
   Verify.OpenSession: the prompt crosses the link, the prefill runs as engine jobs (chunked), the
   first token goes back;
   each round: k from the live drivers' own round state (`SpeculationState` with a fixed k:
@@ -432,8 +433,13 @@ class Simulation:
                 draft, draft_link = self.drafts[conv_id % len(self.drafts)]
             record.draft = draft.name
             draft_rpc = self.rpc_threads.get(draft.name)
-            draft.num_sessions += 1  # Draft.OpenSession only records the prompt: the first Propose prefills it
+            draft.num_sessions += 1
 
+        # the driver opens the Draft session beside the Verify session and awaits it before the first Propose
+        draft_opening = None
+        if draft is not None and max_new_tokens > 1:
+            assert draft_link is not None
+            draft_opening = env.process(self._draft_open(draft, draft_link, draft_rpc, env.now, num_prompt))
         # Generate, the Verify.OpenSession request
         yield from self._handle(coordinator, env.now, 2)
         yield env.timeout(link.send_down(env.now, overhead + per_token * num_prompt) - env.now)
@@ -445,15 +451,16 @@ class Simulation:
         t = yield from self._handle(coordinator, t, 1)  # the first token comes back
         delivery = self._to_client(record, t, 1, overhead + per_token, True, max_new_tokens <= 1)
         generated, new_input = 1, 1  # tokens out; tokens emitted by the last round (what the drafter is told)
-        draft_feed = num_prompt + 1  # what the drafter's next first forward feeds (ModelDrafter._absorb)
+        # what the drafter's next first forward feeds (ModelDrafter._absorb): the prompt and the first token, or
+        # drafting ahead, which prefilled the prompt at open but its last token, those two
+        draft_feed = 2 if self.draft_ahead else num_prompt + 1
         k_max = config.speculation.k if mode != "autoregressive" else 0
         q_bytes = config.speculation.q_bytes_per_draft_token
         trace_offset = conv_id % len(self.acceptance.trace) if self.acceptance.trace else 0  # sessions start apart
         fused_opened = False
-        draft_opened = draft is not None and max_new_tokens > 1  # the driver opens it after the first token
-        if draft_opened:  # and awaits it before the first Propose: a job on the Draft engine, behind its forwards
-            assert draft is not None and draft_link is not None
-            t = yield from self._session_call(draft, draft_link, draft_rpc, t)
+        draft_opened = draft_opening is not None
+        if draft_opening is not None:
+            t = max(t, (yield draft_opening))
         rounds = round_state(num_prompt, max_new_tokens, k_max)
         ahead = AheadRun(self._ahead_batcher(draft)) if self.draft_ahead and draft is not None else None
         last_hit = False  # the last round accepted every draft and the drafter's guess
@@ -532,18 +539,25 @@ class Simulation:
         elif record.end_s > env.now:
             yield env.timeout(record.end_s - env.now)
 
-    def _session_call(self, server: BatchingServer, link: NetLink, rpc: Process | None, t_s: float):
+    def _session_call(self, server: BatchingServer, link: NetLink, rpc: Process | None, t_s: float, job_ms: float = 0.0):
         """The coordinator's OpenSession / CloseSession call to a service, sent from `t_s`: its request and
-        response handled by the coordinator and the service's RPC thread, and a job of no work on the
-        service's engine, which runs once the engine's queued jobs have; returns when the coordinator has
-        the response."""
+        response handled by the coordinator and the service's RPC thread, and a job of `job_ms` (none: of no
+        work) on the service's engine, which runs once the engine's queued jobs have; returns when the
+        coordinator has the response."""
         env = self.env
         t = yield from self._handle(self.coordinator, t_s, 1)  # the request
         yield env.timeout(link.send_down(t, self._overhead) - env.now)
         yield from self._handle(rpc, env.now, 1)
-        yield server.run_job(0.0)
+        yield server.run_job(job_ms / 1e3)
         t = link.send_up(env.now, self._overhead)
         return (yield from self._handle(self.coordinator, t, 1))  # the response
+
+    def _draft_open(self, draft: DraftServer, link: NetLink, rpc: Process | None, t_s: float, num_prompt: int):
+        """Draft.OpenSession, sent from `t_s` beside the Verify session's: it records the prompt (the first
+        Propose prefills it), or, drafting ahead, prefills it but its last token (`ModelDrafter.prefill`);
+        returns when the coordinator has the response."""
+        prefill_ms = draft.cost.forward_ms(1, num_prompt - 1, 0) if self.draft_ahead and num_prompt > 1 else 0.0
+        return (yield from self._session_call(draft, link, rpc, t_s, prefill_ms))
 
     def _ahead_batcher(self, draft: DraftServer) -> AheadBatcher:
         if draft.name not in self._ahead_batchers:

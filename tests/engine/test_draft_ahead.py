@@ -199,3 +199,31 @@ def test_each_proposal_says_whether_the_verdict_was_the_guess_drafted_ahead_from
     assert [s.guess_held for s in states] == [True, False, None]
     for state in states:
         drafter.close(state)
+
+
+@pytest.mark.parametrize("mode", list(PARAMS))
+def test_a_prompt_prefilled_at_open_gives_the_same_proposals(engines, mode):
+    """`ModelDrafter.prefill` (a drafting-ahead Draft service's OpenSession): the prompt but its last token
+    goes into the KV at once, and every proposal after is the one a drafter that fed it with its first
+    proposal makes; a state with a draft outstanding is left alone."""
+    engine = engines["draft"]
+    if not engine.steps_equal_chains:  # the prompt in two forwards instead of one: the last bits may move
+        pytest.skip("proposal for proposal only where a chain's numbers equal its steps' (the CPU fast path)")
+    early, lazy = ModelDrafter(engine), ModelDrafter(engine)
+    params = PARAMS[mode]
+    for prompt in PROMPTS:
+        mine, theirs = early.open(prompt), lazy.open(prompt)
+        early.prefill([mine])
+        assert mine.pending == prompt[-1:] and engine.seq_len(mine.seq_id) == len(prompt) - 1
+        generators = [make_generator(4, engine.device)[0] for _ in range(2)]
+        accepted: list[int] = [77]  # the target's first token
+        for k in (3, 1, 4):
+            a = early.propose(mine, accepted, k, params, generators[0])
+            b = lazy.propose(theirs, accepted, k, params, generators[1])
+            _same(a, b)
+            early.prefill([mine])  # a draft outstanding: nothing to do
+            assert mine.num_drafted == k
+            accepted = [*a.token_ids[:2], 5]
+        early.close(mine)
+        lazy.close(theirs)
+    assert engine.kv_usage().free_blocks == engine.kv_usage().total_blocks

@@ -127,3 +127,65 @@ def test_plain_stretches_run_on_the_verifier_with_the_same_rounds(engines, sampl
     # rounds after it while the policy stays at k = 0 (to its next probe): four runs at most, where stretches
     # alone would take six (2 + 3 + 5 + 9 + 17 rounds < 39)
     assert runner.runs[0] == 2 and len(runner.runs) <= 4 and sum(runner.runs) >= len(plain.token_ids) - 1
+
+
+class _OpenTracking(InProcessDrafter):
+    """Notes its open and close calls; `opened` is set once a session is open."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter)
+        self.opened, self.num_open = asyncio.Event(), 0
+
+    async def open(self, prompt_ids, params):
+        state = await super().open(prompt_ids, params)
+        self.num_open += 1
+        self.opened.set()
+        return state
+
+    async def close(self, state) -> None:
+        self.num_open -= 1
+        await super().close(state)
+
+
+class _OpenAfterTheDrafter(InProcessVerifier):
+    """A verifier whose open returns only once the drafter's session is open (or fails, `fail`)."""
+
+    def __init__(self, verifier, drafter: _OpenTracking, fail: bool = False):
+        super().__init__(verifier)
+        self.drafter, self.fail = drafter, fail
+
+    async def open(self, prompt_ids, params):
+        await self.drafter.opened.wait()
+        if self.fail:
+            raise RuntimeError("the target refused the session")
+        return await super().open(prompt_ids, params)
+
+
+@pytest.mark.parametrize("max_new_tokens", [24, 1])
+def test_the_drafters_session_opens_beside_the_verifiers(engines, max_new_tokens):
+    """The async driver opens the drafter's session while the verifier's opens (a drafting-ahead Draft
+    service prefills then, beside the target's prefill): a verifier that waits for it still opens, the
+    tokens are the in-process loop's, and the session is closed, also when the first token ends the request."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, temperature=0.0)
+    verifier = TargetVerifier(engines["target"])
+    sync = generate(verifier, ModelDrafter(engines["draft"]), PROMPT, params, k_policy=FixedK(3))
+    drafter = _OpenTracking(ModelDrafter(engines["draft"]))
+
+    async def run():
+        return await asyncio.wait_for(generate_async(_OpenAfterTheDrafter(verifier, drafter), drafter, PROMPT, params,
+                                                     k_policy=FixedK(3)), timeout=60)
+
+    events = asyncio.run(run())
+    assert [t for e in events for t in e.token_ids] == sync.token_ids
+    assert drafter.num_open == 0
+    assert engines["draft"].kv_usage().free_blocks == engines["draft"].kv_usage().total_blocks
+
+
+def test_a_failed_verifier_open_closes_the_drafters_session(engines):
+    verifier = TargetVerifier(engines["target"])
+    drafter = _OpenTracking(ModelDrafter(engines["draft"]))
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    with pytest.raises(RuntimeError, match="refused"):
+        asyncio.run(generate_async(_OpenAfterTheDrafter(verifier, drafter, fail=True), drafter, PROMPT, params))
+    assert drafter.num_open == 0
+    assert engines["draft"].kv_usage().free_blocks == engines["draft"].kv_usage().total_blocks

@@ -15,6 +15,7 @@ from coordinator.options import CoordinatorOptions
 from coordinator.server import create_server as create_coordinator
 from draft_service.options import DraftOptions
 from draft_service.server import create_server as create_draft
+from servicekit.auth import ANONYMOUS
 from servicekit.background import BackgroundServices
 from servicekit.channels import open_channel as channel
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -150,3 +151,34 @@ def test_the_draft_service_says_it_drafts_ahead_and_what_a_forward_costs(service
         assert proposed.HasField("ahead_forward_ms") is ahead and len(proposed.draft_token_ids) == 3
         if ahead:
             assert proposed.ahead_forward_ms > 0
+
+
+def test_a_drafting_ahead_service_prefills_the_prompt_at_open(services):
+    """A Draft service that drafts ahead takes a session's prompt in at OpenSession (beside the Verify
+    service's prefill: the Coordinator opens both at once), but its last token, which the first Propose
+    feeds with the target's first token; one that does not leaves it for the first Propose."""
+    from specmesh.proto.v1 import draft_pb2, draft_pb2_grpc
+
+    prompt = [1 + i % 50 for i in range(40)]
+
+    async def open_and_look(port: int, servicer):
+        async with channel(f"127.0.0.1:{port}") as ch:
+            stub = draft_pb2_grpc.DraftServiceStub(ch)
+            opened = await stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
+                prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0.0)), timeout=TIMEOUT_S)
+            state = servicer.sessions.get(opened.session_id, ANONYMOUS).value.state
+            in_kv = servicer.engine.seq_len(state.seq_id)
+            pending = list(state.pending)
+            proposed = await stub.Propose(draft_pb2.ProposeRequest(session_id=opened.session_id, num_draft_tokens=3,
+                                                                   accepted_token_ids=[7]), timeout=TIMEOUT_S)
+            await stub.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=opened.session_id), timeout=TIMEOUT_S)
+            return in_kv, pending, list(proposed.draft_token_ids)
+
+    results = {}
+    for ahead in (True, False):
+        _, servicer, port = services[ahead]
+        assert wait_for(lambda s=servicer: s.num_sessions == 0, 10)
+        results[ahead] = _run(open_and_look(port, servicer))
+    assert results[True][:2] == (len(prompt) - 1, prompt[-1:])
+    assert results[False][:2] == (0, prompt)
+    assert results[True][2] == results[False][2]  # the same drafts either way

@@ -336,3 +336,21 @@ def test_drafted_ahead_a_draft_dearer_in_turn_keeps_drafting_and_one_dearer_than
     assert run(False, 20.0)[-10:] == [0] * 10
     assert min(run(True, 20.0)[-10:]) > 0
     assert run(True, 30.0)[-10:] == [0] * 10
+
+
+def test_drafting_ahead_k_at_most_doubles_and_a_deeper_round_does_not_move_o():
+    """The drafter drafts as far ahead as the round before drafted, so a round deeper than that waits for the
+    rest of its drafts: k grows at most twofold a round, and such a round's wait is not taken for the
+    overhead o (it would price every later round by a catch-up that a run of rounds at that k does not have)."""
+    policy = _ahead_policy(k_init=1, k_max=16)
+    policy.set_drafting_ahead(True, forward_ms=4.0)  # cheap forwards: the model's best k is far above 1
+    assert policy._best() > 2
+    ks, overheads = [], []
+    for _ in range(6):
+        k = policy.next_k()
+        ks.append(k)
+        policy.set_drafting_ahead(True, forward_ms=4.0)
+        policy.update(k, k, draft_ms=1.0, verify_ms=24.0 * (1 + 0.125 * k))
+        overheads.append(policy.ahead_overhead_ms)
+    assert ks == [1, 2, 4, 8, 16, 16]
+    assert overheads[:5] == [None] * 5 and overheads[5] is not None  # the first round no deeper than the one before

@@ -304,20 +304,20 @@ def test_coordinator_cpu_on_its_own_core_adds_its_messages():
     """test_hand_worked_schedule with the coordinator's CPU at 1 ms per message on a core of its own:
         t = 1.000  Generate, Verify.OpenSession request: 2 ms -> 1.002; target prefill -> 1.012;
                    its response -> 1.013; the first token out -> 1.014 (TTFT 14 ms)
-                   Draft.OpenSession request and response -> 1.016
-        round 1: Propose request -> 1.017; draft 3 x 1 ms -> 1.020; Propose response and Verify
-                 request -> 1.022; verify -> 1.032; its response -> 1.033; the tokens out -> 1.034
-        rounds 2 and 3 alike: 18 ms each -> 1.052, 1.070
-        round 4 (k = 0, no Propose): Verify request -> 1.071; verify -> 1.081; response, out -> 1.083
-        Verify.CloseSession, then Draft.CloseSession (2 messages each) -> 1.087: the stream ends
-    e2e 87 ms (59 + 28 on the path); 28 messages handled: 10 + 5 per round, less the Propose's 2 in round 4."""
+                   Draft.OpenSession beside it: its request and response handled during the prefill
+        round 1: Propose request -> 1.015; draft 3 x 1 ms -> 1.018; Propose response and Verify
+                 request -> 1.020; verify -> 1.030; its response -> 1.031; the tokens out -> 1.032
+        rounds 2 and 3 alike: 18 ms each -> 1.050, 1.068
+        round 4 (k = 0, no Propose): Verify request -> 1.069; verify -> 1.079; response, out -> 1.081
+        Verify.CloseSession, then Draft.CloseSession (2 messages each) -> 1.085: the stream ends
+    e2e 85 ms (59 + 26 on the path); 28 messages handled: 10 + 5 per round, less the Propose's 2 in round 4."""
     result = simulate(config_from_dict(base_config(
         duration_s=3, burn_in_s=0, speculation={"k": 3, "acceptance_trace": [2, 0, 3]},
         coordinator={"cpu_ms_per_message": 1.0},
         workload={"arrival": "trace", "trace": [{"arrival_s": 1.0, "prompt_tokens": 16, "output_tokens": 10}]})))
     (r,) = result.requests
     assert r.ttft_s == pytest.approx(0.014)
-    assert r.e2e_s == pytest.approx(0.087)
+    assert r.e2e_s == pytest.approx(0.085)
     coordinator = result.summary["processes"]["coordinator"]
     assert coordinator["num_messages"] == 28
     assert (coordinator["busy_s"], coordinator["cpu_s"]) == (pytest.approx(0.028), pytest.approx(0.028))  # alone: never slowed
@@ -374,13 +374,13 @@ def test_zero_process_cpu_changes_nothing():
 def test_service_cpu_per_call_on_its_own_core():
     """test_hand_worked_schedule with each service's CPU at 1 ms per call, its RPC thread on a core of
     its own (no host), so every call delays its work by 1 ms:
-        t = 1.000  Verify.OpenSession [1.000, 1.001]; prefill -> 1.011 (TTFT 11 ms)
-        round 1: Draft.OpenSession, then the Propose (2 ms) -> 1.013; draft 3 x 1 ms -> 1.016; Verify
-                 call -> 1.017; verify -> 1.027
-        rounds 2 and 3: 1 + 3 + 1 + 10 ms each -> 1.042, 1.057
-        round 4 (k = 0): Verify call -> 1.058; verify -> 1.068
-        Verify.CloseSession -> 1.069, Draft.CloseSession -> 1.070: the stream ends
-    e2e 70 ms (59 + 11 calls on the path). Calls handled: Verify 1 + 4 + 1, Draft 1 + 3 + 1."""
+        t = 1.000  Verify.OpenSession [1.000, 1.001]; prefill -> 1.011 (TTFT 11 ms); Draft.OpenSession
+                   beside them [1.000, 1.001]
+        round 1: the Propose -> 1.012; draft 3 x 1 ms -> 1.015; Verify call -> 1.016; verify -> 1.026
+        rounds 2 and 3: 1 + 3 + 1 + 10 ms each -> 1.041, 1.056
+        round 4 (k = 0): Verify call -> 1.057; verify -> 1.067
+        Verify.CloseSession -> 1.068, Draft.CloseSession -> 1.069: the stream ends
+    e2e 69 ms (59 + 10 calls on the path). Calls handled: Verify 1 + 4 + 1, Draft 1 + 3 + 1."""
     result = simulate(config_from_dict(base_config(
         duration_s=3, burn_in_s=0, speculation={"k": 3, "acceptance_trace": [2, 0, 3]},
         targets=[{"count": 1, "device": "target", "cpu_ms_per_call": 1.0}],
@@ -388,7 +388,7 @@ def test_service_cpu_per_call_on_its_own_core():
         workload={"arrival": "trace", "trace": [{"arrival_s": 1.0, "prompt_tokens": 16, "output_tokens": 10}]})))
     (r,) = result.requests
     assert r.ttft_s == pytest.approx(0.011)
-    assert r.e2e_s == pytest.approx(0.070)
+    assert r.e2e_s == pytest.approx(0.069)
     processes = result.summary["processes"]
     assert (processes["target0.0/rpc"]["num_messages"], processes["draft0.0/rpc"]["num_messages"]) == (6, 5)
     assert processes["target0.0/rpc"]["cpu_s"] == pytest.approx(0.006)
@@ -485,13 +485,15 @@ def test_drafts_ahead_answer_the_next_propose():
 
 
 def test_no_forward_ahead_outlasts_the_verify_round():
-    """A draft forward (25 ms) longer than the time from an answer to the next Propose (10 ms): the
-    first round's guess forward is started (nothing measured yet) and delays round 2's Propose by
-    15 ms; once the gap is measured, nothing more is drafted ahead."""
+    """A draft forward (25 ms, whatever it feeds) longer than the time from an answer to the next Propose
+    (10 ms): the first round's guess forward is started (nothing measured yet) and delays round 2's
+    Propose by 15 ms; once the gap is measured, nothing more is drafted ahead. And the Draft session's
+    prompt, prefilled at open beside the target's 10 ms prefill, is a forward more at this cost: 15 ms
+    more before the first Propose, which then feeds the prompt's last token and the first token."""
     plain, _ = _one_request(False, 25.0)
     ahead, sim = _one_request(True, 25.0)
     assert sim.ahead_forwards == 1 and sim.ahead_served_tokens == 0
-    assert (ahead.e2e_s - plain.e2e_s) * 1e3 == pytest.approx(15.0, abs=1e-6)
+    assert (ahead.e2e_s - plain.e2e_s) * 1e3 == pytest.approx(15.0 + 15.0, abs=1e-6)
 
 
 def test_drafting_ahead_with_a_trace_needs_a_guess_rate():
