@@ -169,9 +169,11 @@ class HalfRightDrafter:
         self.target = target
 
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> list:
-        return [self.target.sessions[-1], 0]  # the session its verifier just opened; tokens told so far
+        return [list(prompt_ids), 0]  # (opened beside the verifier's session) its prompt; tokens told so far
 
     async def propose(self, state: list, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
+        if isinstance(state[0], list):  # the verifier's session of this prompt: the last one opened
+            state[0] = next(s for s in reversed(self.target.sessions) if s.prompt_ids == state[0] and not s.closed)
         session, told = state
         state[1] = told = told + len(accepted_since_last)
         tokens = [session.token(told + i) + (i % 2) for i in range(max_tokens)]
