@@ -18,7 +18,10 @@ hit save the part of it done before: it is started only where the session's gues
 (`specmesh.decoding.ahead.forward_pays` weighs the two with the session's measured hit rate).
 A session that drafts ahead also takes in its prompt at OpenSession (`ModelDrafter.prefill`): the
 Coordinator opens it beside the Verify session, so the two prefills overlap, and its first Propose
-feeds the target's first token, as later ones feed their verdicts.
+feeds the target's first token, as later ones feed their verdicts. Only while most sessions here draft
+(a moving average over the closed ones): under a load where no draft pays (16 clients on a CPU), a
+session is never asked for a draft, and its prompt would be prefilled for nothing beside the target's
+forwards.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class DraftSession:
     answered_at: float = 0.0  # perf_counter when its last Propose was answered
     gap_ms: float | None = None  # time from an answer to the next Propose (moving average)
     hit_rate: float | None = None  # how often the verdict was the guess drafted ahead from (moving average)
+    drafted: bool = False  # a Propose asked it for draft tokens
 
 
 @dataclass
@@ -109,6 +113,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         self._ahead_wakeup: asyncio.Event | None = None
         self._ahead_task: asyncio.Task | None = None
         self._ahead_forward_ms: float | None = None  # a forward ahead (moving average)
+        self._sessions_drafting: float | None = None  # share of the closed sessions that drafted (moving average)
         if self.draft_ahead:
             metrics.watch_ahead(lambda: sum(getattr(d, "ahead_served", 0) for d in list(self._drafters.values())),
                                 lambda: sum(getattr(d, "ahead_dropped", 0) for d in list(self._drafters.values())))
@@ -126,6 +131,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
     def free_session(self, session: DraftSession) -> None:
         session.closed = True
         self.drafter.close(session.state)
+        self._sessions_drafting = moving_average(self._sessions_drafting, float(session.drafted))
 
     def session_tokens(self, session: DraftSession) -> int:
         return session.num_tokens
@@ -237,11 +243,12 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
 
     def _open(self, prompt: list[int], encoder_input_ids: list[int]):
         """Engine thread: a drafter state (on the engine bound to the encoder input, if one is given). Drafting
-        ahead, the prompt is prefilled now, beside the target's prefill (module docstring)."""
+        ahead, the prompt is prefilled now, beside the target's prefill, while sessions here draft (module
+        docstring)."""
         if encoder_input_ids:
             return ModelDrafter(self.engine.bind(encoder_input_ids)).open(prompt)
         state = self.drafter.open(prompt)
-        if self.draft_ahead:
+        if self.draft_ahead and (self._sessions_drafting is None or self._sessions_drafting >= 0.5):
             self.drafter.prefill([state])
         return state
 
@@ -280,6 +287,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             if session.answered_at:
                 session.gap_ms = moving_average(session.gap_ms, (time.perf_counter() - session.answered_at) * 1e3)
             self.drafter.check_call(session.state, accepted, k)  # a bad call fails alone, before the batch
+            session.drafted = session.drafted or k > 0
             self.check_kv_quota(len(accepted) + k)
             result: ProposeResult = await self.batcher.submit(ProposeCall(session, accepted, k, q_dtype))
             session.num_tokens += len(accepted)

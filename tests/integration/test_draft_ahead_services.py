@@ -182,3 +182,31 @@ def test_a_drafting_ahead_service_prefills_the_prompt_at_open(services):
     assert results[True][:2] == (len(prompt) - 1, prompt[-1:])
     assert results[False][:2] == (0, prompt)
     assert results[True][2] == results[False][2]  # the same drafts either way
+
+
+def test_prompts_are_prefilled_at_open_only_while_sessions_draft(services):
+    """Sessions closed without a draft asked of them (a load where no draft pays) stop the prefill at
+    open, which would be work for nothing; sessions that draft again bring it back."""
+    from specmesh.proto.v1 import draft_pb2, draft_pb2_grpc
+
+    _, servicer, port = services[True]
+    prompt = [1 + i % 50 for i in range(40)]
+
+    async def session(k: int) -> int:
+        """One session, a Propose of k drafts if k: the tokens its open put in the KV."""
+        async with channel(f"127.0.0.1:{port}") as ch:
+            stub = draft_pb2_grpc.DraftServiceStub(ch)
+            opened = await stub.OpenSession(draft_pb2.DraftOpenSessionRequest(
+                prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0.0)), timeout=TIMEOUT_S)
+            in_kv = servicer.engine.seq_len(servicer.sessions.get(opened.session_id, ANONYMOUS).value.state.seq_id)
+            if k:
+                await stub.Propose(draft_pb2.ProposeRequest(session_id=opened.session_id, num_draft_tokens=k,
+                                                            accepted_token_ids=[7]), timeout=TIMEOUT_S)
+            await stub.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=opened.session_id), timeout=TIMEOUT_S)
+            return in_kv
+
+    assert wait_for(lambda: servicer.num_sessions == 0, 10)
+    prefilled = [_run(session(0)) for _ in range(4)]  # none drafts
+    assert prefilled[0] == len(prompt) - 1 and prefilled[-1] == 0
+    prefilled = [_run(session(3)) for _ in range(4)]  # every one drafts
+    assert prefilled[0] == 0 and prefilled[-1] == len(prompt) - 1
