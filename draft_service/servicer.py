@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 DrafterFactory = Callable[[RoundQ | None], Drafter]  # q transform -> a drafter on the service's model
 
 
+PREFILL_WHILE_DRAFTING = 0.5  # share of the closed sessions that drafted, above which prompts are prefilled at open
+
 @dataclass
 class DraftSession:
     state: Any  # the drafter's per-session state (shared by the drafters of every q dtype)
@@ -248,7 +250,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         if encoder_input_ids:
             return ModelDrafter(self.engine.bind(encoder_input_ids)).open(prompt)
         state = self.drafter.open(prompt)
-        if self.draft_ahead and (self._sessions_drafting is None or self._sessions_drafting >= 0.5):
+        if self.draft_ahead and (self._sessions_drafting is None or self._sessions_drafting >= PREFILL_WHILE_DRAFTING):
             self.drafter.prefill([state])
         return state
 
