@@ -15,7 +15,7 @@ from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import speculative_stream
 from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.verifier import TargetVerifier
-from specmesh.drafters.model import ModelDrafter
+from specmesh.drafters.model import ModelDrafter, self_draft
 from specmesh.drafters.ngram import PromptLookupDrafter
 from specmesh.models.chat import chat_prompt_ids
 from specmesh.models.encdec import bind_encoder_input, is_encoder_decoder
@@ -59,7 +59,7 @@ class LocalGenerator:
         if name == "ngram":
             return PromptLookupDrafter(min_n=1, max_n=4)
         if name in ("bf16", "int8"):
-            return ModelDrafter(self.draft_engine)
+            return self_draft(self.draft_engine, self.engine)
         return None
 
     def stream_text(self, prompt: str, params: SamplingParams, num_draft_tokens: int = 0,

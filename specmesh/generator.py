@@ -24,7 +24,7 @@ from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import GenerationResult, generate, speculative_stream
 from specmesh.decoding.state import StepEvent
 from specmesh.decoding.verifier import TargetVerifier
-from specmesh.drafters.model import ModelDrafter
+from specmesh.drafters.model import ModelDrafter, self_draft
 from specmesh.drafters.ngram import PromptLookupDrafter
 from specmesh.models.chat import chat_messages_ids
 from specmesh.models.encdec import bind_encoder_input, is_encoder_decoder
@@ -66,7 +66,7 @@ class Generator:
         else:  # int8: weight-only, batch-invariant (CPU)
             draft_engine = load_engine(folder, dtype="float32", quantize="int8")
         check_draft_compatible(self.engine, draft_engine)
-        return ModelDrafter(draft_engine)
+        return self_draft(draft_engine, self.engine)
 
     def prompt_ids(self, prompt: Prompt, chat: bool = True) -> list[int]:
         """Token ids of a prompt: through the model's chat template (a string is one user message),

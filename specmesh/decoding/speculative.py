@@ -75,9 +75,12 @@ def speculative_stream(
         k_policy=k_policy, has_drafter=drafter is not None, decode=decode, prompt_ids=prompt_ids, seed=seed,
         vocab_size=engine.vocab_size, plain_stretches=plain_stretches,
     )
+    # a self-draft on the target's own model takes what it was not told from the target's KV (drafters/model.py)
+    shares_kv = drafter is not None and getattr(drafter, "kv_source", None) is engine
     if isinstance(state.k_policy, AdaptiveK) and drafter is not None:  # this process's measured costs, if any
-        state.k_policy.prior_costs(getattr(drafter, "ms_per_token", None), engine.stats.step_ms,
-                                   getattr(drafter, "catch_up_ms_per_token", None), verifier.forward_cost())
+        catch_up_ms = 0.0 if shares_kv else getattr(drafter, "catch_up_ms_per_token", None)  # (a copy, not a forward)
+        state.k_policy.prior_costs(getattr(drafter, "ms_per_token", None), engine.stats.step_ms, catch_up_ms,
+                                   verifier.forward_cost())
     start = time.perf_counter()
     session = verifier.open(prompt_ids, params, target_generator)
     draft_state = None
@@ -86,6 +89,8 @@ def speculative_stream(
         if drafter is not None:
             draft_generator, _ = make_generator(draft_seed(seed), drafter.device)
             draft_state = drafter.open(prompt_ids)
+            if shares_kv:
+                drafter.share_kv(draft_state, session.seq_id)  # type: ignore[attr-defined]  # (a ModelDrafter: kv_source)
         while not state.finished:
             k = state.next_k()
             proposal, draft_ms, step = DraftProposal(token_ids=[]), 0.0, state.draft_step(k)

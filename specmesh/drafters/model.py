@@ -17,6 +17,15 @@ Worked example (k = 3, context of 10 tokens, pending = [c9]):
 
 `propose_many` drafts for several sessions with one engine forward per draft position.
 
+KV from the target (`kv_source`: a self-draft, the target's weights at a lower precision, in the same
+process). What the drafter has not fed yet but the target has (the prompt at the first proposal, a plain
+stretch's tokens after rounds that drafted nothing, the last draft of an accepted proposal) is copied from
+the target's KV (`NativeEngine.import_kv`) instead of fed, when the driver tied the session to the
+target's (`share_kv`): only the last pending token is fed, for the logits the first draft comes from.
+Measured: the bf16 drafter's prefill of a 54-token chat prompt took 110 ms of a 1.17 s request (64 tokens,
+k = 4). The drafts then come from a context the target computed, which changes which tokens are drafted,
+never what is emitted (the target verifies every one).
+
 Drafting ahead (`draft_ahead_step`). While the target verifies a proposal x_0..x_{k-1}, the drafter
 may go on as if the target accepts all k and then emits the drafter's own guess g at the next
 position: one forward feeds x_{k-1} to make g, then it drafts y_0, y_1, ... exactly as the next
@@ -51,6 +60,7 @@ from specmesh.decoding.proposal import DraftProposal, normalize_q
 from specmesh.decoding.sampling import SamplingParams, processed_probs, sample
 from specmesh.decoding.state import draft_seed
 from specmesh.models.engine import Engine, SeqInput
+from specmesh.models.native_engine import NativeEngine
 
 
 @dataclass
@@ -63,6 +73,7 @@ class ModelDraftState:
     last_drafts: list[int] = field(default_factory=list)  # the last proposal's tokens
     ahead: DraftAhead | None = None  # drafts made past the last proposal, awaiting the target's verdict
     guess_held: bool | None = None  # at the last proposal: whether the verdict was the guess ahead (None: no guess)
+    kv_from: int | None = None  # the target's sequence of the same context, whose KV it may take (`share_kv`)
 
 
 @dataclass
@@ -89,10 +100,16 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, engine: Engine, q_transform: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, engine: Engine, q_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 kv_source: Engine | None = None):
+        """`kv_source`: the target's engine, when this engine holds the same model (a self-draft): its KV may
+        stand in for context this drafter has not fed (module docstring)."""
+        if kv_source is not None and not (isinstance(engine, NativeEngine) and isinstance(kv_source, NativeEngine)):
+            raise ValueError("kv_source needs native engines on both sides (NativeEngine.import_kv)")
         self.engine = engine
         self.device = engine.device  # where its generators must live
         self.q_transform = q_transform
+        self.kv_source = kv_source
         self.ahead_served = 0  # tokens drafted ahead that became a proposal's
         self.ahead_dropped = 0  # tokens drafted ahead that the verdict (or a smaller k) made useless
 
@@ -115,6 +132,25 @@ class ModelDrafter:
 
     def close(self, state: ModelDraftState) -> None:
         self.engine.free(state.seq_id)
+
+    def share_kv(self, state: ModelDraftState, target_seq_id: int) -> None:
+        """Tie the session to the target's sequence `target_seq_id` of `kv_source`, which holds the same
+        context: from now on what it caches there is taken, not fed (module docstring)."""
+        if self.kv_source is None:
+            raise ValueError("this drafter has no kv_source")
+        state.kv_from = target_seq_id
+
+    def _take_kv(self, state: ModelDraftState) -> None:
+        """Copy from the target the KV of what is pending, all but its last token, as far as the target has it."""
+        engine, source = self.engine, self.kv_source
+        if state.kv_from is None or len(state.pending) < 2:
+            return
+        assert isinstance(engine, NativeEngine) and isinstance(source, NativeEngine)  # (__init__, share_kv)
+        cached = engine.seq_len(state.seq_id)
+        take = min(len(state.pending) - 1, source.seq_len(state.kv_from) - cached)
+        if take > 0:
+            engine.import_kv(state.seq_id, source, state.kv_from, cached + take)
+            state.pending = state.pending[take:]
 
     def prefill(self, states: Sequence[ModelDraftState]) -> None:
         """Take in now what the next proposal would feed first (a session's prompt, say), all but its last
@@ -168,6 +204,7 @@ class ModelDrafter:
             else:
                 self.drop_ahead(state, generator)
                 self._absorb(state, tokens)
+                self._take_kv(state)
         limits = [max(0, min(k, self.engine.max_context - s.num_tokens)) for s, k in zip(states, max_tokens)]
         drafts: list[list[int]] = [[] for _ in states]
         qs: list[list[torch.Tensor]] = [[] for _ in states]
@@ -314,3 +351,11 @@ class ModelDrafter:
             return int(sample(q, generator)[0]), q[0]
         stored = self.q_transform(q)
         return int(sample(normalize_q(stored).to(logits.device), generator)[0]), stored[0]
+
+
+def self_draft(engine: Engine, target: Engine) -> ModelDrafter:
+    """A drafter on `engine`, which holds the target's own model at another precision (bf16, int8): it takes
+    the context's KV from the target (`kv_source`) where both are native engines, and feeds it otherwise."""
+    shares = isinstance(engine, NativeEngine) and isinstance(target, NativeEngine)
+    return ModelDrafter(engine, kv_source=target if shares else None)
+

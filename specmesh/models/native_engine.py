@@ -150,6 +150,25 @@ class NativeEngine:
         self.cache.blocks.free(seq_id)
         self._last_forward.pop(seq_id, None)
 
+    def import_kv(self, seq_id: int, source: NativeEngine, source_seq_id: int, end: int) -> None:
+        """Extend `seq_id` to `end` tokens with the keys and values `source` holds for those positions of
+        `source_seq_id`, in this cache's dtype, instead of computing them: another engine of the same
+        layers and heads over the same tokens (a self-draft taking the prompt from its target, whose
+        forward of the same weights at a higher precision wrote them; `ModelDrafter`'s `kv_source`)."""
+        src_k, dst_k = source.cache.k, self.cache.k
+        if src_k.shape[0] != dst_k.shape[0] or src_k.shape[2:] != dst_k.shape[2:]:
+            raise ValueError(f"KV of [layers, ., kv heads, head dim] {list(src_k.shape)} does not fit {list(dst_k.shape)}")
+        start, available = self.seq_len(seq_id), source.seq_len(source_seq_id)
+        if not start <= end <= available:
+            raise ValueError(f"cannot import positions {start}..{end} of a sequence of {available} tokens")
+        if end == start:
+            return
+        src = source.cache.slot_tensor(source_seq_id, end)[start:].to(src_k.device)
+        dst = torch.tensor(self.cache.append(seq_id, end - start), dtype=torch.long, device=dst_k.device)
+        dst_k[:, dst] = src_k[:, src].to(dst_k.device, dst_k.dtype)
+        self.cache.v[:, dst] = source.cache.v[:, src].to(dst_k.device, dst_k.dtype)
+        self._last_forward.pop(seq_id, None)
+
     def keep_tree_path(self, seq_id: int, node_indices: Sequence[int]) -> None:
         last = self._last_forward.get(seq_id)
         if last is None or last[0] + last[2] != self.seq_len(seq_id):

@@ -1,0 +1,148 @@
+"""A self-draft takes the context's KV from its target (`NativeEngine.import_kv`, `ModelDrafter`'s
+`kv_source`): the rows it copies are the target's, a twin engine's drafts are unchanged by it, and the
+output stays the target's while the drafter feeds fewer tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmesh import Generator
+from specmesh.decoding.adaptive import AdaptiveK, FixedK
+from specmesh.decoding.sampling import AcceptanceRule, SamplingParams
+from specmesh.decoding.speculative import generate
+from specmesh.decoding.verifier import TargetVerifier
+from specmesh.drafters.model import ModelDrafter, self_draft
+from specmesh.models.engine import SeqInput
+from specmesh.models.load import load_engine
+
+PROMPT = [100, 7, 250, 31, 9, 60, 12, 200, 4, 4, 99, 1, 3]
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=30)
+SEEDED = SamplingParams(temperature=0.8, top_k=0, seed=5, ignore_eos=True, max_new_tokens=30,
+                        acceptance_rule=AcceptanceRule.STANDARD)
+COUPLED = SamplingParams(temperature=0.8, top_k=0, seed=5, ignore_eos=True, max_new_tokens=30,
+                         acceptance_rule=AcceptanceRule.COUPLED)  # seeded, and token for token plain sampling's
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama", init_std=0.2)
+
+
+def _rows(engine, seq_id, end):
+    slots = engine.cache.slot_tensor(seq_id, end)
+    return engine.cache.k[:, slots], engine.cache.v[:, slots]
+
+
+def test_import_copies_the_sources_rows_in_this_caches_dtype(model_dir):
+    target, draft = load_engine(model_dir, dtype="float32"), load_engine(model_dir, dtype="bfloat16")
+    source = target.new_sequence()
+    target.forward([SeqInput(source, PROMPT, logits_at=[len(PROMPT) - 1])])
+    seq = draft.new_sequence()
+    draft.import_kv(seq, target, source, 5)
+    draft.import_kv(seq, target, source, len(PROMPT))  # from where it stands
+    assert draft.seq_len(seq) == len(PROMPT)
+    for mine, theirs in zip(_rows(draft, seq, len(PROMPT)), _rows(target, source, len(PROMPT)), strict=True):
+        assert mine.dtype == torch.bfloat16
+        assert torch.equal(mine, theirs.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot import positions"):
+        draft.import_kv(seq, target, source, len(PROMPT) + 1)  # the source has no such position
+
+
+def test_import_refuses_a_cache_of_other_shapes(tiny_model_dir, model_dir):
+    other = load_engine(tiny_model_dir("llama", init_std=0.2, num_layers=3), dtype="float32")
+    target = load_engine(model_dir, dtype="float32")
+    source = other.new_sequence()
+    other.forward([SeqInput(source, PROMPT, logits_at=[0])])
+    with pytest.raises(ValueError, match="does not fit"):
+        target.import_kv(target.new_sequence(), other, source, 4)
+    with pytest.raises(ValueError, match="native engines"):
+        ModelDrafter(target, kv_source=object())
+
+
+class Twins:
+    """Drafts with the KV taken from the target and, beside it, by feeding everything: each proposal
+    checked against the other's. The target is a twin of the draft engine (same weights and dtype), so
+    the rows it writes are those the drafter's own forwards would."""
+
+    name = "model"
+
+    def __init__(self, engine, target):
+        self.shared, self.feeding = ModelDrafter(engine, kv_source=target), ModelDrafter(engine)
+        self.kv_source, self.device = target, engine.device
+        self.num_proposals = 0
+
+    def open(self, prompt_ids):
+        return {"shared": self.shared.open(prompt_ids), "feeding": self.feeding.open(prompt_ids), "generator": None}
+
+    def share_kv(self, state, target_seq_id):
+        self.shared.share_kv(state["shared"], target_seq_id)
+
+    def check_call(self, state, accepted, k):
+        self.shared.check_call(state["shared"], accepted, k)
+
+    def propose(self, state, accepted, k, params, generator):
+        if state["generator"] is None:  # the feeding drafter's twin of the session's generator
+            state["generator"] = torch.Generator(device=generator.device)
+            state["generator"].set_state(generator.get_state())
+        mine = self.shared.propose(state["shared"], accepted, k, params, generator)
+        theirs = self.feeding.propose(state["feeding"], accepted, k, params, state["generator"])
+        assert mine.token_ids == theirs.token_ids
+        assert (mine.q is None) == (theirs.q is None) and (mine.q is None or torch.equal(mine.q, theirs.q))
+        self.num_proposals += 1
+        return mine
+
+    def propose_many(self, states, accepted, max_tokens, params, generators):
+        return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]
+
+    def close(self, state):
+        self.shared.close(state["shared"])
+        self.feeding.close(state["feeding"])
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_twins_kv_changes_no_draft(model_dir, params, k):
+    draft = load_engine(model_dir, dtype="float32")
+    if not draft.steps_equal_chains:
+        pytest.skip("the CPU fast path is off: a fed chain's rows may differ from the target's prefill's")
+    target = load_engine(model_dir, dtype="float32")
+    twins = Twins(draft, target)
+    result = generate(TargetVerifier(target), twins, PROMPT, params, k_policy=FixedK(k))
+    assert twins.num_proposals > 3 and len(result.token_ids) == params.max_new_tokens
+
+
+@pytest.mark.parametrize("params", [GREEDY, COUPLED], ids=["greedy", "coupled"])
+def test_a_bf16_self_draft_taking_the_targets_kv_emits_the_targets_tokens(model_dir, params):
+    target, draft = load_engine(model_dir, dtype="float32"), load_engine(model_dir, dtype="bfloat16")
+    verifier = TargetVerifier(target)
+    plain = generate(verifier, None, PROMPT, params).token_ids
+    fed = []
+    for drafter in (ModelDrafter(draft), self_draft(draft, target)):
+        before = draft.stats.num_tokens_forwarded
+        assert generate(verifier, drafter, PROMPT, params, k_policy=FixedK(3)).token_ids == plain
+        fed.append(draft.stats.num_tokens_forwarded - before)
+    assert fed[1] <= fed[0] - (len(PROMPT) - 1)  # the prompt came from the target, and more since
+
+
+def test_a_seeded_run_with_the_targets_kv_reproduces(model_dir):
+    target, draft = load_engine(model_dir, dtype="float32"), load_engine(model_dir, dtype="bfloat16")
+    runs = [generate(TargetVerifier(target), self_draft(draft, target), PROMPT, SEEDED, k_policy=FixedK(3)).token_ids
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == SEEDED.max_new_tokens
+
+
+def test_the_library_self_draft_shares_and_prices_no_catch_up(model_dir):
+    gen = Generator(str(model_dir), drafter="bf16")
+    assert isinstance(gen.drafter, ModelDrafter) and gen.drafter.kv_source is gen.engine
+    priors = []
+
+    class Watched(AdaptiveK):
+        def prior_costs(self, draft_ms, decode_ms, catch_up_ms=None, forward_cost=None):
+            priors.append(catch_up_ms)
+            super().prior_costs(draft_ms, decode_ms, catch_up_ms, forward_cost)
+
+    ids = gen.prompt_ids("Numbers: 0 1 2 3", chat=False)
+    result = generate(gen.verifier, gen.drafter, ids, GREEDY, k_policy=Watched())
+    assert priors == [0.0]  # a copy, not a forward: a probe after a plain stretch costs no catch-up
+    assert result.token_ids == generate(gen.verifier, None, ids, GREEDY).token_ids
