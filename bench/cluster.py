@@ -41,7 +41,7 @@ from specmesh.decoding.adaptive import AdaptiveK, FixedK  # noqa: E402
 from specmesh.decoding.sampling import SamplingParams  # noqa: E402
 from specmesh.decoding.speculative import generate  # noqa: E402
 from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
-from specmesh.drafters.model import ModelDrafter  # noqa: E402
+from specmesh.drafters.model import self_draft  # noqa: E402
 from specmesh.drafters.ngram import PromptLookupDrafter  # noqa: E402
 from specmesh.models.chat import chat_prompt_ids  # noqa: E402
 from specmesh.models.load import load_engine  # noqa: E402
@@ -127,7 +127,7 @@ def overhead(addresses: dict[str, str], folder: str, tokenizer) -> list[dict]:
     torch.set_num_threads(THREADS)
     verifier = TargetVerifier(load_engine(folder, dtype="float32"))
     bf16 = load_engine(folder, dtype="bfloat16")
-    drafters = {"none": lambda: None, "ngram": lambda: PromptLookupDrafter(min_n=1, max_n=4), "bf16": lambda: ModelDrafter(bf16)}
+    drafters = {"none": lambda: None, "ngram": lambda: PromptLookupDrafter(min_n=1, max_n=4), "bf16": lambda: self_draft(bf16, verifier.engine)}
     rows = []
     for name, (kind, coordinator, mode, drafter, k, stretches) in ALGORITHMS.items():
         local, remote, exact = [], [], True

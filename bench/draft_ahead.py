@@ -37,7 +37,7 @@ from cluster import PROMPTS, in_process, through_cluster  # noqa: E402
 
 from client.cluster import Cluster, free_ports  # noqa: E402
 from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
-from specmesh.drafters.model import ModelDrafter  # noqa: E402
+from specmesh.drafters.model import self_draft  # noqa: E402
 from specmesh.models.chat import chat_prompt_ids  # noqa: E402
 from specmesh.models.load import load_engine  # noqa: E402
 from specmesh.models.resolve import resolve_model_spec  # noqa: E402
@@ -99,7 +99,7 @@ def main() -> None:
                     ids = chat_prompt_ids(tokenizer, prompt)
                     for name, (where, who, mode, k) in ROWS.items():
                         if where == "local":
-                            run = in_process(verifier, None if who == "none" else ModelDrafter(bf16), ids, k)
+                            run = in_process(verifier, None if who == "none" else self_draft(bf16, verifier.engine), ids, k)
                         else:
                             run = asyncio.run(through_cluster(addresses[who], prompt, mode, "service" if mode == SPEC else "",
                                                               64, k))

@@ -43,7 +43,7 @@ from specmesh.decoding.sampling import SamplingParams  # noqa: E402
 from specmesh.decoding.speculative import generate, speculative_stream  # noqa: E402
 from specmesh.decoding.state import StepEvent  # noqa: E402
 from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
-from specmesh.drafters.model import ModelDrafter  # noqa: E402
+from specmesh.drafters.model import self_draft  # noqa: E402
 from specmesh.drafters.ngram import PromptLookupDrafter  # noqa: E402
 from specmesh.models.chat import chat_prompt_ids  # noqa: E402
 from specmesh.models.engine import measure_step  # noqa: E402
@@ -92,8 +92,8 @@ def main() -> int:
         "fp32 plain": ("fp32", None),
         "fp32 plain, again (A/A)": ("fp32", None),  # plain against itself: the bench's own noise
         "fp32 n-gram": ("fp32", lambda: PromptLookupDrafter(min_n=1, max_n=4)),
-        "fp32 bf16 self-draft": ("fp32", lambda: ModelDrafter(bf16)),
-        "fp32 int8 self-draft": ("fp32", lambda: ModelDrafter(int8)),
+        "fp32 bf16 self-draft": ("fp32", lambda: self_draft(bf16, fp32)),
+        "fp32 int8 self-draft": ("fp32", lambda: self_draft(int8, fp32)),
         "Q4_1 plain": ("Q4_1", None),
         "Q4_1 n-gram": ("Q4_1", lambda: PromptLookupDrafter(min_n=1, max_n=4)),
     }

@@ -38,7 +38,7 @@ from specmesh.decoding.adaptive import AdaptiveK  # noqa: E402
 from specmesh.decoding.sampling import SamplingParams  # noqa: E402
 from specmesh.decoding.speculative import generate  # noqa: E402
 from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
-from specmesh.drafters.model import ModelDrafter  # noqa: E402
+from specmesh.drafters.model import self_draft  # noqa: E402
 from specmesh.drafters.ngram import PromptLookupDrafter  # noqa: E402
 from specmesh.models.chat import chat_prompt_ids  # noqa: E402
 from specmesh.models.engine import measure_step  # noqa: E402
@@ -145,8 +145,8 @@ def main() -> int:
     methods = {
         "ours-ar": Ours(verifier, None),
         "ours-sd-ngram": Ours(verifier, lambda: PromptLookupDrafter(min_n=1, max_n=4)),
-        "ours-sd-bf16": Ours(verifier, lambda: ModelDrafter(bf16)),
-        "ours-sd-int8": Ours(verifier, lambda: ModelDrafter(int8)),
+        "ours-sd-bf16": Ours(verifier, lambda: self_draft(bf16, target)),
+        "ours-sd-int8": Ours(verifier, lambda: self_draft(int8, target)),
         "hf-generate": HF(hf_fp32, eos),
         "hf-assisted-bf16": HF(hf_fp32, eos, assistant_model=hf_bf16),
         "hf-prompt-lookup": HF(hf_fp32, eos, prompt_lookup_num_tokens=10),
