@@ -7,7 +7,7 @@ from servicekit.engine_thread import EngineThread, single_threaded_here
 from servicekit.metrics import ServiceMetrics
 from servicekit.model import load_service_engine
 from servicekit.server import ServiceHandle, start_service
-from specmesh.drafters.model import ModelDrafter
+from specmesh.drafters.model import ModelDrafter, self_draft
 from specmesh.drafters.ngram import NgramStoreDrafter, PromptLookupDrafter
 from specmesh.proto.v1 import verify_pb2_grpc
 from target_service.options import FUSED_DRAFTERS, VerifyOptions
@@ -36,6 +36,8 @@ def build_fused_drafter(options: VerifyOptions, target=None, target_folder: str 
         if target is not None:
             check_draft_compatible(target, engine, target_folder, folder)
         measure_step(engine)  # fused rounds' k policy prior: what a draft token costs here
+        if target is not None and not options.fused_drafter_model:  # the target's own weights: it takes the target's KV
+            return self_draft(engine, target)
         return ModelDrafter(engine)
     return None
 

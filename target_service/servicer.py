@@ -95,7 +95,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                                  eos_token_ids=self.engine.eos_token_ids, seed=seed)
         if isinstance(state.k_policy, AdaptiveK) and self.fused_drafter is not None:  # fused rounds: what drafting costs here
             state.k_policy.prior_costs(getattr(self.fused_drafter, "ms_per_token", None), self.engine.stats.step_ms,
-                                       forward_cost=self.verifier.forward_cost())
+                                       0.0 if self._fused_shares_kv else None, forward_cost=self.verifier.forward_cost())
         state.start(target.pending_token_id)
         return VerifySession(target, state, seed, encoder_input_ids=list(encoder_input_ids))
 
@@ -116,13 +116,22 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         input (same engine and sequences; the shared verifier runs the session's rounds)."""
         return TargetVerifier(self.engine.bind(encoder_input_ids)) if encoder_input_ids else self.verifier
 
-    def _open_fused(self, prompt: list[int], encoder_input_ids: list[int]):
+    @property
+    def _fused_shares_kv(self) -> bool:
+        """The fused drafter is a self-draft that takes the context's KV from this target (`self_draft`)."""
+        return getattr(self.fused_drafter, "kv_source", None) is self.engine
+
+    def _open_fused(self, prompt: list[int], encoder_input_ids: list[int], target_seq_id: int):
         """Engine thread: the fused drafter's state for a session (a model drafter on an encoder-decoder
-        model opens it through a view bound to the encoder input; n-gram drafters ignore the input)."""
+        model opens it through a view bound to the encoder input; n-gram drafters ignore the input); a
+        self-draft's is tied to the session's target sequence, whose KV it takes (drafters/model.py)."""
         drafter = self.fused_drafter
         if encoder_input_ids and isinstance(drafter, ModelDrafter) and is_encoder_decoder(drafter.engine):
             return ModelDrafter(bind_encoder_input(drafter.engine, encoder_input_ids)).open(prompt)
-        return drafter.open(prompt)
+        state = drafter.open(prompt)
+        if self._fused_shares_kv:
+            drafter.share_kv(state, target_seq_id)
+        return state
 
     async def _prefill(self, prompt: list[int], params: SamplingParams, generator,
                        constraint: GrammarConstraint | None = None, encoder_input_ids: Sequence[int] = ()) -> TargetSession:
@@ -403,7 +412,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         """Draft with the hosted drafter (k: `requested_k`, or the session's policy when 0), then verify."""
         if session.fused is None:
             prompt = session.target.token_ids[: session.round.num_prompt_tokens]
-            state = await self.engine_thread.run(self._open_fused, prompt, session.encoder_input_ids)
+            state = await self.engine_thread.run(self._open_fused, prompt, session.encoder_input_ids, session.target.seq_id)
             session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), self.fused_drafter.device)[0])
         k = session.round.next_k(requested_k or None)
         self.check_kv_quota(1 + k)  # before the drafter's state moves

@@ -146,3 +146,16 @@ def test_the_library_self_draft_shares_and_prices_no_catch_up(model_dir):
     result = generate(gen.verifier, gen.drafter, ids, GREEDY, k_policy=Watched())
     assert priors == [0.0]  # a copy, not a forward: a probe after a plain stretch costs no catch-up
     assert result.token_ids == generate(gen.verifier, None, ids, GREEDY).token_ids
+
+
+def test_the_verify_services_fused_self_draft_shares_its_targets_kv(model_dir, tiny_model_dir):
+    from target_service.options import VerifyOptions
+    from target_service.server import build_fused_drafter
+
+    target = load_engine(model_dir, dtype="float32")
+    own = build_fused_drafter(VerifyOptions(model=str(model_dir), fused_drafter="model"), target, str(model_dir))
+    assert isinstance(own, ModelDrafter) and own.kv_source is target
+    other_dir = str(tiny_model_dir("llama", init_std=0.2, seed=1))  # another model of the same shapes: its own KV
+    other = build_fused_drafter(VerifyOptions(model=str(model_dir), fused_drafter="model", fused_drafter_model=other_dir),
+                                target, str(model_dir))
+    assert isinstance(other, ModelDrafter) and other.kv_source is None
