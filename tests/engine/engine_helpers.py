@@ -41,3 +41,50 @@ def with_sliding_window(folder: str | Path, path: Path, window: int) -> Path:
     config["sliding_window"] = window
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def same_proposal(mine, theirs) -> None:
+    """Two drafters' proposals are one: the same tokens, and the same q where one was drawn."""
+    assert mine.token_ids == theirs.token_ids
+    assert (mine.q is None) == (theirs.q is None)
+    if mine.q is not None:
+        assert torch.equal(mine.q, theirs.q)
+
+
+class PairedDrafters:
+    """A drafter for the decoding loop that proposes with `mine` and, beside it, with `reference` on a twin
+    of the session's generator, checks each proposal is the reference's (`same_proposal`) and returns mine;
+    `after(state, k, params, generator)` runs after each (a subclass's hook)."""
+
+    name = "model"
+
+    def __init__(self, mine, reference):
+        self.mine, self.reference, self.device = mine, reference, mine.device
+        self.num_proposals = 0
+
+    def open(self, prompt_ids):
+        return {"mine": self.mine.open(prompt_ids), "reference": self.reference.open(prompt_ids), "generator": None}
+
+    def check_call(self, state, accepted, k):
+        self.mine.check_call(state["mine"], accepted, k)
+
+    def propose(self, state, accepted, k, params, generator):
+        if state["generator"] is None:  # the reference's twin of the session's generator
+            state["generator"] = torch.Generator(device=generator.device)
+            state["generator"].set_state(generator.get_state())
+        mine = self.mine.propose(state["mine"], accepted, k, params, generator)
+        same_proposal(mine, self.reference.propose(state["reference"], accepted, k, params, state["generator"]))
+        self.num_proposals += 1
+        self.after(state["mine"], k, params, generator)
+        return mine
+
+    def after(self, state, k, params, generator) -> None:
+        return None
+
+    def propose_many(self, states, accepted, max_tokens, params, generators):
+        return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]
+
+    def close(self, state):
+        self.mine.close(state["mine"])
+        self.reference.close(state["reference"])
+

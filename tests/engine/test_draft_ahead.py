@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import PairedDrafters, same_proposal
 
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.sampling import AcceptanceRule, SamplingParams, make_generator
@@ -36,49 +37,22 @@ def engines(tiny_model_dir, request):
     return {"target": load_engine(target_dir, dtype="float64"), "draft": draft}
 
 
-def _same(mine, theirs) -> None:
-    assert mine.token_ids == theirs.token_ids
-    assert (mine.q is None) == (theirs.q is None)
-    if mine.q is not None:
-        assert torch.equal(mine.q, theirs.q)
+_same = same_proposal
 
 
-class Shadowed:
+class Shadowed(PairedDrafters):
     """A ModelDrafter that drafts ahead after every proposal (a number of forwards that changes from
     round to round, to a depth that does too), each proposal checked against a drafter that never does."""
 
-    name = "model"
-
     def __init__(self, engine, q_transform=None):
-        self.ahead = ModelDrafter(engine, q_transform)
-        self.plain = ModelDrafter(engine, q_transform)
-        self.device = engine.device
-        self.round = 0
+        super().__init__(ModelDrafter(engine, q_transform), ModelDrafter(engine, q_transform))
+        self.ahead = self.mine
 
-    def open(self, prompt_ids):
-        return {"ahead": self.ahead.open(prompt_ids), "plain": self.plain.open(prompt_ids), "generator": None}
-
-    def check_call(self, state, accepted, k):
-        self.ahead.check_call(state["ahead"], accepted, k)
-
-    def propose(self, state, accepted, k, params, generator):
-        if state["generator"] is None:  # the plain drafter's twin of the session's generator
-            state["generator"] = torch.Generator(device=generator.device)
-            state["generator"].set_state(generator.get_state())
-        mine = self.ahead.propose(state["ahead"], accepted, k, params, generator)
-        _same(mine, self.plain.propose(state["plain"], accepted, k, params, state["generator"]))
-        self.round += 1
-        forwards, depth = self.round % (k + 4), max(1, k + self.round % 3 - 1)  # 0 .. k + 3; k - 1 .. k + 1
+    def after(self, state, k, params, generator):
+        rounds = self.num_proposals
+        forwards, depth = rounds % (k + 4), max(1, k + rounds % 3 - 1)  # 0 .. k + 3; k - 1 .. k + 1
         for _ in range(forwards):
-            self.ahead.draft_ahead_step([state["ahead"]], [depth], [params], [generator])
-        return mine
-
-    def propose_many(self, states, accepted, max_tokens, params, generators):
-        return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]
-
-    def close(self, state):
-        self.ahead.close(state["ahead"])
-        self.plain.close(state["plain"])
+            self.ahead.draft_ahead_step([state], [depth], [params], [generator])
 
 
 @pytest.mark.parametrize("mode", list(PARAMS))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import PairedDrafters
 
 from specmesh import Generator
 from specmesh.decoding.adaptive import AdaptiveK, FixedK
@@ -60,44 +61,17 @@ def test_import_refuses_a_cache_of_other_shapes(tiny_model_dir, model_dir):
         ModelDrafter(target, kv_source=object())
 
 
-class Twins:
+class Twins(PairedDrafters):
     """Drafts with the KV taken from the target and, beside it, by feeding everything: each proposal
     checked against the other's. The target is a twin of the draft engine (same weights and dtype), so
     the rows it writes are those the drafter's own forwards would."""
 
-    name = "model"
-
     def __init__(self, engine, target):
-        self.shared, self.feeding = ModelDrafter(engine, kv_source=target), ModelDrafter(engine)
-        self.kv_source, self.device = target, engine.device
-        self.num_proposals = 0
-
-    def open(self, prompt_ids):
-        return {"shared": self.shared.open(prompt_ids), "feeding": self.feeding.open(prompt_ids), "generator": None}
+        super().__init__(ModelDrafter(engine, kv_source=target), ModelDrafter(engine))
+        self.kv_source = target
 
     def share_kv(self, state, target_seq_id):
-        self.shared.share_kv(state["shared"], target_seq_id)
-
-    def check_call(self, state, accepted, k):
-        self.shared.check_call(state["shared"], accepted, k)
-
-    def propose(self, state, accepted, k, params, generator):
-        if state["generator"] is None:  # the feeding drafter's twin of the session's generator
-            state["generator"] = torch.Generator(device=generator.device)
-            state["generator"].set_state(generator.get_state())
-        mine = self.shared.propose(state["shared"], accepted, k, params, generator)
-        theirs = self.feeding.propose(state["feeding"], accepted, k, params, state["generator"])
-        assert mine.token_ids == theirs.token_ids
-        assert (mine.q is None) == (theirs.q is None) and (mine.q is None or torch.equal(mine.q, theirs.q))
-        self.num_proposals += 1
-        return mine
-
-    def propose_many(self, states, accepted, max_tokens, params, generators):
-        return [self.propose(*call) for call in zip(states, accepted, max_tokens, params, generators)]
-
-    def close(self, state):
-        self.shared.close(state["shared"])
-        self.feeding.close(state["feeding"])
+        self.mine.share_kv(state["mine"], target_seq_id)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
