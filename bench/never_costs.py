@@ -6,7 +6,7 @@ prompts the draft gate, the plain stretches and the adaptive k policy were never
 Default model (SmolLM2-135M-Instruct), greedy, EOS ignored (every run makes --max-new-tokens tokens),
 time including the prefill, one process, the machine's threads. The prompts are
 bench/prompts/held_out.json, a set kept apart for this bench (its "about" says so). Per target:
-    fp32 target      plain | n-gram drafts (prompt lookup) | bf16 self-draft | int8 self-draft (dynamic)
+    fp32 target      plain | n-gram drafts (prompt lookup) | bf16 self-draft | int8 self-draft (dynamic) | q4_1 self-draft
     Q4_1 target      plain | n-gram drafts                  (the GGUF's own blocks, quantize="gguf")
 every speculative method with the adaptive k policy and the draft gate, as a user's request runs, and
 plain decoding a second time (A/A): its ratio to the first is the bench's own noise.
@@ -45,6 +45,7 @@ from specmesh.decoding.state import StepEvent  # noqa: E402
 from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
 from specmesh.drafters.model import self_draft  # noqa: E402
 from specmesh.drafters.ngram import PromptLookupDrafter  # noqa: E402
+from specmesh.generator import load_self_draft  # noqa: E402
 from specmesh.models.chat import chat_prompt_ids  # noqa: E402
 from specmesh.models.engine import measure_step  # noqa: E402
 from specmesh.models.load import load_engine  # noqa: E402
@@ -85,7 +86,8 @@ def main() -> int:
     q4 = load_engine(folder, dtype="float32", quantize="gguf")
     bf16 = load_engine(folder, dtype="bfloat16")
     int8 = load_engine(folder, dtype="float32", quantize="int8-dynamic")
-    for engine in (fp32, q4, bf16, int8):  # as `specmesh generate --local` does: the costs known before a first round
+    q4_1 = load_self_draft(folder, "q4_1")  # the library's q4_1 self-draft (requantized, where `q4` is the file's blocks)
+    for engine in (fp32, q4, bf16, int8, q4_1):  # as `specmesh generate --local` does: the costs known before a first round
         measure_step(engine)
     targets = {"fp32": TargetVerifier(fp32), "Q4_1": TargetVerifier(q4)}
     methods = {  # name -> (target, drafter factory or None)
@@ -94,6 +96,7 @@ def main() -> int:
         "fp32 n-gram": ("fp32", lambda: PromptLookupDrafter(min_n=1, max_n=4)),
         "fp32 bf16 self-draft": ("fp32", lambda: self_draft(bf16, fp32)),
         "fp32 int8 self-draft": ("fp32", lambda: self_draft(int8, fp32)),
+        "fp32 q4_1 self-draft": ("fp32", lambda: self_draft(q4_1, fp32)),
         "Q4_1 plain": ("Q4_1", None),
         "Q4_1 n-gram": ("Q4_1", lambda: PromptLookupDrafter(min_n=1, max_n=4)),
     }

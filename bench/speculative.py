@@ -10,7 +10,8 @@ Methods, each run on every prompt in an interleaved order so machine noise hits 
     ours-sd-bf16         our engine, self-draft with the target's weights in bf16, adaptive k; what it was not
                          told and the target's KV holds (the prompt, ...) copied from there (`self_draft`)
     ours-sd-bf16-fed     the same, feeding all it is told through its own forwards (a Draft service's way)
-    ours-sd-int8         our engine, self-draft with int8 dynamic-quantized weights, adaptive k
+    ours-sd-int8         our engine, self-draft with int8 weight-only quantized weights, adaptive k
+    ours-sd-q4_1         our engine, self-draft with the weights in 4-bit Q4_1 blocks, adaptive k
     hf-generate          transformers generate (fp32)
     hf-assisted-bf16     transformers assisted generation with the same bf16 draft
     hf-prompt-lookup     transformers prompt lookup decoding
@@ -42,6 +43,7 @@ from specmesh.decoding.speculative import generate  # noqa: E402
 from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
 from specmesh.drafters.model import ModelDrafter, self_draft  # noqa: E402
 from specmesh.drafters.ngram import PromptLookupDrafter  # noqa: E402
+from specmesh.generator import load_self_draft  # noqa: E402
 from specmesh.models.chat import chat_prompt_ids  # noqa: E402
 from specmesh.models.engine import measure_step  # noqa: E402
 from specmesh.models.load import load_engine  # noqa: E402
@@ -138,7 +140,8 @@ def main() -> int:
     target = load_engine(folder, dtype="float32")
     bf16 = load_engine(folder, dtype="bfloat16")
     int8 = load_engine(folder, dtype="float32", quantize="int8")
-    for engine in (target, bf16, int8):  # as `specmesh generate --local` does: the costs known before a first round
+    q4_1 = load_self_draft(folder, "q4_1")
+    for engine in (target, bf16, int8, q4_1):  # as `specmesh generate --local` does: the costs known before a first round
         measure_step(engine)
     verifier = TargetVerifier(target)
     hf_fp32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -150,6 +153,7 @@ def main() -> int:
         "ours-sd-bf16": Ours(verifier, lambda: self_draft(bf16, target)),
         "ours-sd-bf16-fed": Ours(verifier, lambda: ModelDrafter(bf16)),  # the same draft feeding its own prompt
         "ours-sd-int8": Ours(verifier, lambda: self_draft(int8, target)),
+        "ours-sd-q4_1": Ours(verifier, lambda: self_draft(q4_1, target)),
         "hf-generate": HF(hf_fp32, eos),
         "hf-assisted-bf16": HF(hf_fp32, eos, assistant_model=hf_bf16),
         "hf-prompt-lookup": HF(hf_fp32, eos, prompt_lookup_num_tokens=10),

@@ -18,7 +18,7 @@ from client.coordinator_client import MODES, CoordinatorClient, CoordinatorError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DEFAULT_ADDRESS = "127.0.0.1:50050"
-LOCAL_DRAFTERS = ("none", "ngram", "bf16", "int8")
+LOCAL_DRAFTERS = ("none", "ngram", "bf16", "int8", "q4_1")  # specmesh.generator.DRAFTERS (not imported: torch)
 USAGE_CODES = ("INVALID_ARGUMENT", "OUT_OF_RANGE")
 
 

@@ -17,14 +17,13 @@ from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter, self_draft
 from specmesh.drafters.ngram import PromptLookupDrafter
+from specmesh.generator import DRAFTERS, SELF_DRAFTS, load_self_draft
 from specmesh.models.chat import chat_prompt_ids
 from specmesh.models.encdec import bind_encoder_input, is_encoder_decoder
 from specmesh.models.engine import measure_step
 from specmesh.models.load import load_engine
 from specmesh.models.pairing import check_draft_compatible
 from specmesh.models.resolve import resolve_model_spec
-
-DRAFTERS = ("none", "ngram", "bf16", "int8")
 
 
 class LocalGenerator:
@@ -39,11 +38,9 @@ class LocalGenerator:
         self.engine = load_engine(folder, dtype=dtype, device=device, quantize=quantize or None)
         self.verifier = TargetVerifier(self.engine)
         self.drafter_name = drafter
-        self.draft_engine = None  # the model drafter's engine (bf16, int8), if any
-        if drafter == "bf16":
-            self.draft_engine = load_engine(folder, dtype="bfloat16", device=device)
-        elif drafter == "int8":
-            self.draft_engine = load_engine(folder, dtype="float32", quantize="int8")
+        self.draft_engine = None  # the self-draft's engine (bf16, int8, q4_1), if any
+        if drafter in SELF_DRAFTS:
+            self.draft_engine = load_self_draft(folder, drafter, device)
         if self.draft_engine is not None:
             check_draft_compatible(self.engine, self.draft_engine)
             for engine in (self.engine, self.draft_engine):  # the costs that decide, before the first round,
@@ -58,7 +55,7 @@ class LocalGenerator:
     def _drafter(self, name: str):
         if name == "ngram":
             return PromptLookupDrafter(min_n=1, max_n=4)
-        if name in ("bf16", "int8"):
+        if name in SELF_DRAFTS:
             return self_draft(self.draft_engine, self.engine)
         return None
 

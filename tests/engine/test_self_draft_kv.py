@@ -106,6 +106,19 @@ def test_a_seeded_run_with_the_targets_kv_reproduces(model_dir):
     assert runs[0] == runs[1] and len(runs[0]) == SEEDED.max_new_tokens
 
 
+@pytest.mark.parametrize("name", ["int8", "q4_1"])
+def test_every_library_self_draft_takes_the_targets_kv_and_keeps_its_output(model_dir, name):
+    from client.cli_common import LOCAL_DRAFTERS
+    from specmesh.generator import DRAFTERS
+
+    assert LOCAL_DRAFTERS == DRAFTERS  # the CLI lists what the library builds
+    gen = Generator(str(model_dir), drafter=name)
+    assert isinstance(gen.drafter, ModelDrafter) and gen.drafter.kv_source is gen.engine
+    ids = gen.prompt_ids("Numbers: 0 1 2 3", chat=False)
+    assert generate(gen.verifier, gen.drafter, ids, GREEDY, k_policy=FixedK(3)).token_ids == \
+        generate(gen.verifier, None, ids, GREEDY).token_ids
+
+
 def test_the_library_self_draft_shares_and_prices_no_catch_up(model_dir):
     gen = Generator(str(model_dir), drafter="bf16")
     assert isinstance(gen.drafter, ModelDrafter) and gen.drafter.kv_source is gen.engine
