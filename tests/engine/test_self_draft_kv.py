@@ -86,6 +86,45 @@ def test_a_twins_kv_changes_no_draft(model_dir, params, k):
     assert twins.num_proposals > 3 and len(result.token_ids) == params.max_new_tokens
 
 
+class PlainStretches(FixedK):
+    """k rounds after every `plain` rounds at 0: the drafter is told the plain rounds' tokens all at once."""
+
+    def __init__(self, k: int, plain: int):
+        super().__init__(k)
+        self.plain, self.rounds = plain, 0
+
+    def next_k(self) -> int:
+        return self.k if self.rounds % (self.plain + 1) == self.plain else 0
+
+    def update(self, *args, **kwargs) -> None:
+        self.rounds += 1
+
+    def plain_rounds_ahead(self) -> int | None:
+        return 0 if self.next_k() else 1
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_plain_stretchs_tokens_come_from_the_target_too(model_dir, params):
+    draft = load_engine(model_dir, dtype="float32")
+    if not draft.steps_equal_chains:
+        pytest.skip("the CPU fast path is off: a fed chain's rows may differ from the target's prefill's")
+    target = load_engine(model_dir, dtype="float32")
+    twins = Twins(draft, target)
+    imports = []  # (from, to) of each copy
+    copy = draft.import_kv
+
+    def counted(seq_id, source, source_seq_id, end):
+        imports.append((draft.seq_len(seq_id), end))
+        copy(seq_id, source, source_seq_id, end)
+
+    draft.import_kv = counted
+    result = generate(TargetVerifier(target), twins, PROMPT, params, k_policy=PlainStretches(3, plain=3))
+    assert twins.num_proposals >= 5 and len(result.token_ids) == params.max_new_tokens
+    assert imports[0] == (0, len(PROMPT))  # the prompt
+    assert (len(PROMPT), len(PROMPT) + 3) in imports  # the 3 plain rounds' tokens after it, copied, not fed
+    assert sum(end - start >= 3 for start, end in imports[1:]) >= 3  # and every plain stretch since
+
+
 @pytest.mark.parametrize("params", [GREEDY, COUPLED], ids=["greedy", "coupled"])
 def test_a_bf16_self_draft_taking_the_targets_kv_emits_the_targets_tokens(model_dir, params):
     target, draft = load_engine(model_dir, dtype="float32"), load_engine(model_dir, dtype="bfloat16")
