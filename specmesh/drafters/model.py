@@ -354,8 +354,7 @@ class ModelDrafter:
 
 
 def self_draft(engine: Engine, target: Engine) -> ModelDrafter:
-    """A drafter on `engine`, which holds the target's own model at another precision (bf16, int8): it takes
+    """A drafter on `engine`, which holds the target's own model at another precision (bf16, int8, q4_1): it takes
     the context's KV from the target (`kv_source`) where both are native engines, and feeds it otherwise."""
     shares = isinstance(engine, NativeEngine) and isinstance(target, NativeEngine)
     return ModelDrafter(engine, kv_source=target if shares else None)
-

@@ -163,7 +163,7 @@ class NativeEngine:
             raise ValueError(f"cannot import positions {start}..{end} of a sequence of {available} tokens")
         if end == start:
             return
-        src = source.cache.slot_tensor(source_seq_id, end)[start:].to(src_k.device)
+        src = source.cache.slot_tensor(source_seq_id, end)[start:]  # (on the source cache's device)
         dst = torch.tensor(self.cache.append(seq_id, end - start), dtype=torch.long, device=dst_k.device)
         dst_k[:, dst] = src_k[:, src].to(dst_k.device, dst_k.dtype)
         self.cache.v[:, dst] = source.cache.v[:, src].to(dst_k.device, dst_k.dtype)
