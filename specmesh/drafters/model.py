@@ -59,6 +59,7 @@ from specmesh.decoding.coupled import sample_at
 from specmesh.decoding.proposal import DraftProposal, normalize_q
 from specmesh.decoding.sampling import SamplingParams, processed_probs, sample
 from specmesh.decoding.state import draft_seed
+from specmesh.kv.shared import AttachedKV
 from specmesh.models.engine import Engine, SeqInput
 from specmesh.models.native_engine import NativeEngine
 
@@ -74,6 +75,7 @@ class ModelDraftState:
     ahead: DraftAhead | None = None  # drafts made past the last proposal, awaiting the target's verdict
     guess_held: bool | None = None  # at the last proposal: whether the verdict was the guess ahead (None: no guess)
     kv_from: int | None = None  # the target's sequence of the same context, whose KV it may take (`share_kv`)
+    kv_source: NativeEngine | AttachedKV | None = None  # where `kv_from` lives: the drafter's kv_source, or another's
 
 
 @dataclass
@@ -112,6 +114,7 @@ class ModelDrafter:
         self.kv_source = kv_source
         self.ahead_served = 0  # tokens drafted ahead that became a proposal's
         self.ahead_dropped = 0  # tokens drafted ahead that the verdict (or a smaller k) made useless
+        self.kv_taken = 0  # context tokens whose KV was copied from the target (`share_kv`), not fed
 
     @property
     def ms_per_token(self) -> float | None:
@@ -133,24 +136,28 @@ class ModelDrafter:
     def close(self, state: ModelDraftState) -> None:
         self.engine.free(state.seq_id)
 
-    def share_kv(self, state: ModelDraftState, target_seq_id: int) -> None:
-        """Tie the session to the target's sequence `target_seq_id` of `kv_source`, which holds the same
-        context: from now on what it caches there is taken, not fed (module docstring)."""
-        if self.kv_source is None:
+    def share_kv(self, state: ModelDraftState, target_seq_id: int, source: AttachedKV | None = None) -> None:
+        """Tie the session to the target's sequence `target_seq_id` of `source` (default: this drafter's
+        `kv_source`), which holds the same context: from now on what it caches there is taken, not fed
+        (module docstring)."""
+        if source is None and self.kv_source is None:
             raise ValueError("this drafter has no kv_source")
-        state.kv_from = target_seq_id
+        if source is not None and not isinstance(self.engine, NativeEngine):
+            raise ValueError("taking KV needs a native engine (NativeEngine.import_kv)")
+        state.kv_from, state.kv_source = target_seq_id, source if source is not None else self.kv_source
 
     def _take_kv(self, state: ModelDraftState) -> None:
         """Copy from the target the KV of what is pending, all but its last token, as far as the target has it."""
-        engine, source = self.engine, self.kv_source
-        if state.kv_from is None or len(state.pending) < 2:
+        engine, source = self.engine, state.kv_source
+        if state.kv_from is None or source is None or len(state.pending) < 2:
             return
-        assert isinstance(engine, NativeEngine) and isinstance(source, NativeEngine)  # (__init__, share_kv)
+        assert isinstance(engine, NativeEngine)  # (__init__, share_kv)
         cached = engine.seq_len(state.seq_id)
         take = min(len(state.pending) - 1, source.seq_len(state.kv_from) - cached)
         if take > 0:
             engine.import_kv(state.seq_id, source, state.kv_from, cached + take)
             state.pending = state.pending[take:]
+            self.kv_taken += take
 
     def prefill(self, states: Sequence[ModelDraftState]) -> None:
         """Take in now what the next proposal would feed first (a session's prompt, say), all but its last

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from specmesh.kv.cache import PagedKVCache
+from specmesh.kv.shared import AttachedKV
 from specmesh.models import fastpath, graphs
 from specmesh.models.engine import (
     DEFAULT_MAX_KV_TOKENS,
@@ -150,11 +151,12 @@ class NativeEngine:
         self.cache.blocks.free(seq_id)
         self._last_forward.pop(seq_id, None)
 
-    def import_kv(self, seq_id: int, source: NativeEngine, source_seq_id: int, end: int) -> None:
+    def import_kv(self, seq_id: int, source: NativeEngine | AttachedKV, source_seq_id: int, end: int) -> None:
         """Extend `seq_id` to `end` tokens with the keys and values `source` holds for those positions of
         `source_seq_id`, in this cache's dtype, instead of computing them: another engine of the same
         layers and heads over the same tokens (a self-draft taking the prompt from its target, whose
-        forward of the same weights at a higher precision wrote them; `ModelDrafter`'s `kv_source`)."""
+        forward of the same weights at a higher precision wrote them; `ModelDrafter`'s `kv_source`), or
+        such an engine's cache in another process (`specmesh.kv.shared`)."""
         src_k, dst_k = source.cache.k, self.cache.k
         if src_k.shape[0] != dst_k.shape[0] or src_k.shape[2:] != dst_k.shape[2:]:
             raise ValueError(f"KV of [layers, ., kv heads, head dim] {list(src_k.shape)} does not fit {list(dst_k.shape)}")

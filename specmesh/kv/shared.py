@@ -1,0 +1,154 @@
+"""A KV cache another process on the same host can read: a co-located Draft service takes its
+context's keys and values from the Verify service's cache instead of computing them.
+
+Why: a self-draft (the target's weights at a lower precision) in the same process copies the K/V of
+its context from the target (`NativeEngine.import_kv`, `ModelDrafter(kv_source=...)`); a Draft
+service in its own process used to prefill the prompt and feed every accepted token again, in bf16,
+on the cores the target needs next. Here the Verify service keeps its paged K and V tensors in an
+anonymous shared memory file (`memfd`), and names it in its answers (`KvRegion`: pid, descriptor,
+inode, the host's boot id, shapes, the model folder). A Draft service on the same host maps the file
+through `/proc/<pid>/fd/<fd>` (read only by convention: it never writes there) and, per session, is
+told which blocks hold the context and how many positions are final (`TargetKv`, carried by the
+Coordinator from each Verify answer to the next Propose).
+
+What may go wrong, and why it cannot change the output:
+- A region that cannot be mapped (another host, a container of its own, another model, other shapes)
+  is refused: the session feeds its context as before (`attach` returns None and says why once).
+- Positions below the reported length are final for the session: the target only appends after them
+  or rolls back rejected rows above them. A session closed (or failed over) meanwhile could have its
+  blocks reused; the draft would then hold wrong keys, and propose worse tokens. The target verifies
+  every token, so a draft is only a proposal (shared/DESIGN.md): output stays the target's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specmesh.kv.cache import PagedKVCache
+
+log = logging.getLogger(__name__)
+DTYPES = {str(t): t for t in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
+
+
+def boot_id() -> str:
+    """This host's boot id (two processes with the same one, pid and inode share a kernel and the file)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class KvRegion:
+    """Where a cache's K and V live: a memfd of one process, K then V, each `shape` in `dtype`."""
+
+    pid: int
+    fd: int
+    inode: int
+    device: int  # st_dev of the file
+    boot_id: str
+    shape: tuple[int, ...]  # [num_layers, num_slots, num_kv_heads, head_dim]
+    dtype: str
+    block_size: int
+    model: str  # the model folder the writer's weights came from (real path)
+
+    @property
+    def key(self) -> tuple:
+        return self.boot_id, self.pid, self.fd, self.inode, self.device
+
+
+def share_cache(cache: PagedKVCache, model: str) -> KvRegion:
+    """Move `cache`'s K and V into a shared memory file (their contents kept) and describe it. CPU caches only;
+    call before forwards capture the tensors (the CPU fast path reads their addresses at each call)."""
+    if cache.k.device.type != "cpu":
+        raise ValueError(f"only a CPU cache can be shared between processes, not one on {cache.k.device}")
+    if str(cache.k.dtype) not in DTYPES:
+        raise ValueError(f"a shared cache holds floating point keys, not {cache.k.dtype}")
+    shape, count = tuple(cache.k.shape), cache.k.numel()
+    fd = os.memfd_create("specmesh-kv", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 2 * count * cache.k.element_size())
+    both = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=2 * count, dtype=cache.k.dtype)
+    k, v = both[:count].view(shape), both[count:].view(shape)
+    if cache.blocks.num_free_blocks < cache.blocks.num_blocks:  # live sequences (else nothing to keep: the file's
+        k.copy_(cache.k)  # pages stay untouched, so unused, until tokens are written)
+        v.copy_(cache.v)
+    cache.k, cache.v = k, v
+    stat = os.fstat(fd)  # the descriptor stays open for the process's life: readers open it by /proc path
+    return KvRegion(os.getpid(), fd, stat.st_ino, stat.st_dev, boot_id(), shape, str(cache.k.dtype), cache.block_size,
+                    os.path.realpath(model))
+
+
+class AttachedKV:
+    """Another process's shared cache, mapped here: a `kv_source` for `NativeEngine.import_kv`.
+
+    Each session that takes KV from it is a key here, with the writer's block table for the session and
+    how many of its positions are final (`set`, before each proposal)."""
+
+    def __init__(self, region: KvRegion, k: torch.Tensor, v: torch.Tensor):
+        self.region = region
+        self.k, self.v = k, v
+        self.block_size = region.block_size
+        self._tables: dict[int, tuple[list[int], int]] = {}
+        self._offsets = torch.arange(region.block_size)
+
+    @property
+    def cache(self) -> AttachedKV:  # `import_kv` reads `source.cache.k / .v / .slot_tensor`
+        return self
+
+    def set(self, key: int, blocks: list[int], length: int) -> None:
+        if length > len(blocks) * self.block_size:
+            raise ValueError(f"{len(blocks)} blocks of {self.block_size} cannot hold {length} positions")
+        num_slots = self.k.shape[1] // self.block_size
+        if any(not 0 <= b < num_slots for b in blocks):
+            raise ValueError(f"a block id is outside the shared cache's {num_slots} blocks")
+        self._tables[key] = (blocks, length)
+
+    def forget(self, key: int) -> None:
+        self._tables.pop(key, None)
+
+    def seq_len(self, key: int) -> int:
+        return self._tables[key][1] if key in self._tables else 0
+
+    def slot_tensor(self, key: int, length: int) -> torch.Tensor:
+        blocks, _ = self._tables[key]
+        table = torch.tensor(blocks, dtype=torch.long)
+        return (table[:, None] * self.block_size + self._offsets).view(-1)[:length]
+
+
+def attach(region: KvRegion, model: str, k_shape: torch.Size) -> AttachedKV | None:
+    """Map `region` if it is another process's cache on this host, of `model` and of K rows shaped like
+    `k_shape` ([layers, ., kv heads, head dim]); None (and why, in the log) where it cannot be used."""
+    why = _unusable(region, model, k_shape)
+    if why is None:
+        path = f"/proc/{region.pid}/fd/{region.fd}"
+        try:
+            stat = os.stat(path)
+            if (stat.st_ino, stat.st_dev) != (region.inode, region.device):
+                why = f"{path} is not the file the Verify service named"
+            else:
+                count = 1
+                for n in region.shape:
+                    count *= n
+                both = torch.from_file(path, shared=True, size=2 * count, dtype=DTYPES[region.dtype])
+                return AttachedKV(region, both[:count].view(region.shape), both[count:].view(region.shape))
+        except (OSError, RuntimeError) as exc:
+            why = f"cannot map {path}: {exc}"
+    log.info("not taking the target's KV from its shared cache: %s; drafts feed their context", why)
+    return None
+
+
+def _unusable(region: KvRegion, model: str, k_shape: torch.Size) -> str | None:
+    if region.boot_id != boot_id() or not region.boot_id:
+        return "the Verify service runs on another host"
+    if region.dtype not in DTYPES or len(region.shape) != 4 or region.block_size <= 0:
+        return f"a malformed region ({region.dtype}, shape {list(region.shape)}, block size {region.block_size})"
+    if region.model != os.path.realpath(model):
+        return f"the target's model is {region.model}, this draft's {os.path.realpath(model)}"
+    if region.shape[0] != k_shape[0] or tuple(region.shape[2:]) != tuple(k_shape[2:]):
+        return f"its K rows {list(region.shape)} do not fit this cache's {list(k_shape)}"
+    return None
