@@ -53,7 +53,7 @@ from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.state import FinishReason
 from specmesh.decoding.types import FinalTokenKind, VerifyOutcome
 from specmesh.drafters.ngram import PromptLookupDrafter, PromptLookupIndex
-from specmesh.proto.v1 import draft_pb2_grpc, verify_pb2_grpc
+from specmesh.proto.v1 import common_pb2, draft_pb2_grpc, verify_pb2_grpc
 from specmesh.routing.replica import NoHealthyReplica, Replica
 
 log = logging.getLogger("specmesh.coordinator")
@@ -135,14 +135,21 @@ class FailoverVerifier:
         self.sparse_q = sparse_q
         self._prompt: list[int] = []
         self._params: SamplingParams | None = None
+        self.handle: VerifyHandle | None = None  # the request's session (a failover moves it to another replica)
 
     async def info(self) -> TargetInfo:
         return self._info
 
+    def target_kv(self) -> common_pb2.TargetKv | None:
+        """Where the session's KV lies in its replica's shared cache, as the replica last said (None: it shares none)."""
+        handle = self.handle
+        return handle.remote.target_kv.get(handle.session_id) if handle is not None else None
+
     async def open(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[VerifyHandle, int]:
         self._prompt, self._params = list(prompt_ids), params
         replica, remote, session_id, first = await self._open_somewhere(self._prompt, params)
-        return VerifyHandle(replica, remote, session_id, [first]), first
+        self.handle = VerifyHandle(replica, remote, session_id, [first])
+        return self.handle, first
 
     def opened_ms_per_token(self, handle: VerifyHandle) -> float | None:
         """`CostReporter`: the one-token forward of the replica the session is on, as it reported."""
@@ -292,8 +299,11 @@ class FailoverDrafter:
     def __init__(self, pool: ServicePool | None, calls: Calls, failovers: Failovers, *, use_service: bool,
                  q_dtype: torch.dtype = torch.float32, sparse_q: bool = False,
                  ngram: Callable[[], PromptLookupDrafter] = PromptLookupDrafter, encoder_input_ids: Sequence[int] = (),
-                 costs: DraftCosts | None = None):
+                 costs: DraftCosts | None = None, target_kv: Callable[[], common_pb2.TargetKv | None] | None = None):
+        """`target_kv`: the request's target session's KV in a shared cache (`FailoverVerifier.target_kv`), handed to
+        each Propose: a Draft replica on the Verify replica's host copies the context from there."""
         self.pool = pool if use_service else None
+        self.target_kv = target_kv
         self.costs = costs  # None: every request opens its Draft session with the request
         self.encoder_input_ids = list(encoder_input_ids)  # an encoder-decoder pair's input (n-grams draft without it)
         self.calls = calls
@@ -363,7 +373,8 @@ class FailoverDrafter:
             await self._open_remote(handle)  # opened with the prompt: `told` is every token since
         if handle.remote is not None and handle.remote_session is not None:
             try:
-                proposal = await handle.remote.propose(handle.remote_session, told, max_tokens)
+                target_kv = self.target_kv() if self.target_kv is not None else None
+                proposal = await handle.remote.propose(handle.remote_session, told, max_tokens, target_kv)
                 handle.held, handle.last_drafted = [], proposal.num_tokens
                 if self.costs is not None:
                     self.costs.heard(handle.remote_session)  # its cost now, as the answer said

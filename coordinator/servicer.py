@@ -191,7 +191,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if plan.drafts_here and drafter_kind != "none":
             drafter = FailoverDrafter(self.draft, calls, failovers, use_service=drafter_kind == "service" and bool(self.draft),
                                       q_dtype=self.q_dtype, sparse_q=self.options.sparse_q, encoder_input_ids=encoder_ids,
-                                      costs=self.draft_costs)
+                                      costs=self.draft_costs, target_kv=verifier.target_kv)
         outer: AsyncDrafter | None = drafter
         if stages_here:  # the drafter under the request's Stage services (CASCADE); refuses a lambda without stages
             outer = await self.cascade.wrap(drafter, request.cascade, calls, failovers, self.info.vocab_size,

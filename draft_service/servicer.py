@@ -39,7 +39,15 @@ import torch
 from draft_service.convert import propose_response
 from draft_service.options import DraftOptions
 from servicekit.batching import WindowBatcher
-from servicekit.convert import DEFAULT_MAX_NEW_TOKENS, kv_usage_pb, model_info_pb, q_dtype_from_pb, sampling_from_pb, token_ids_from_pb
+from servicekit.convert import (
+    DEFAULT_MAX_NEW_TOKENS,
+    kv_region_from_pb,
+    kv_usage_pb,
+    model_info_pb,
+    q_dtype_from_pb,
+    sampling_from_pb,
+    token_ids_from_pb,
+)
 from servicekit.engine_thread import EngineThread
 from servicekit.errors import Unimplemented, rpc_method
 from servicekit.metrics import ServiceMetrics
@@ -54,13 +62,16 @@ from specmesh.decoding.state import draft_seed
 from specmesh.decoding.verifier import validate_prompt
 from specmesh.drafters.model import ModelDrafter
 from specmesh.drafters.wire_q import RoundQ, q_transform_for
+from specmesh.kv.shared import AttachedKV, attach
 from specmesh.models.encdec import is_encoder_decoder, validate_encoder_input
+from specmesh.models.native_engine import NativeEngine
 from specmesh.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 DrafterFactory = Callable[[RoundQ | None], Drafter]  # q transform -> a drafter on the service's model
 
 
+MAX_KV_SOURCES = 8  # Verify services' shared caches kept mapped (`_target_kv`)
 PREFILL_WHILE_DRAFTING = 0.5  # share of the closed sessions that drafted, above which prompts are prefilled at open
 
 @dataclass
@@ -87,6 +98,7 @@ class ProposeCall:
     accepted: list[int]
     k: int
     q_dtype: torch.dtype
+    target_kv: tuple[AttachedKV, list[int], int] | None = None  # the target's shared cache, the session's blocks, length
 
 
 @dataclass
@@ -107,6 +119,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         self.engine = engine  # None for the n-gram drafters
         if engine is not None:
             metrics.watch_kv(engine.kv_usage)
+            metrics.watch_kv_taken(lambda: sum(getattr(d, "kv_taken", 0) for d in list(self._drafters.values())))
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.model_folder = model_folder
@@ -116,6 +129,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         self._ahead_task: asyncio.Task | None = None
         self._ahead_forward_ms: float | None = None  # a forward ahead (moving average)
         self._sessions_drafting: float | None = None  # share of the closed sessions that drafted (moving average)
+        self._kv_sources: dict[tuple, AttachedKV | None] = {}  # a Verify service's shared cache, mapped (None: refused)
         if self.draft_ahead:
             metrics.watch_ahead(lambda: sum(getattr(d, "ahead_served", 0) for d in list(self._drafters.values())),
                                 lambda: sum(getattr(d, "ahead_dropped", 0) for d in list(self._drafters.values())))
@@ -132,6 +146,9 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
 
     def free_session(self, session: DraftSession) -> None:
         session.closed = True
+        source = getattr(session.state, "kv_source", None)
+        if isinstance(source, AttachedKV):
+            source.forget(session.state.kv_from)
         self.drafter.close(session.state)
         self._sessions_drafting = moving_average(self._sessions_drafting, float(session.drafted))
 
@@ -212,6 +229,9 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         """One batched draft per q dtype among the calls (usually one)."""
         start = time.perf_counter()
         proposals: dict[int, DraftProposal] = {}
+        for call in calls:
+            if call.target_kv is not None:
+                self._share_kv(call.session, *call.target_kv)
         try:
             by_dtype = itertools.groupby(sorted(range(len(calls)), key=lambda i: str(calls[i].q_dtype)),
                                          key=lambda i: calls[i].q_dtype)
@@ -227,6 +247,34 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         draft_ms = (time.perf_counter() - start) * 1e3
         self.metrics.forwards.inc()
         return [ProposeResult(proposals[i], draft_ms, len(calls)) for i in range(len(calls))]
+
+    def _share_kv(self, session: DraftSession, source: AttachedKV, blocks: list[int], length: int) -> None:
+        """Engine thread: the session's target context lies at `blocks` of `source` (its first `length` positions
+        final); the next proposal copies from there what it was not fed (`ModelDrafter.share_kv`)."""
+        state = session.state
+        key = state.seq_id
+        try:
+            source.set(key, blocks, length)
+        except ValueError as exc:
+            log.warning("ignoring a malformed target_kv: %s", exc)
+            return
+        if state.kv_source is not source:
+            if isinstance(state.kv_source, AttachedKV):  # the target session failed over to another replica
+                state.kv_source.forget(key)
+            self.drafter.share_kv(state, key, source)
+
+    def _target_kv(self, session: DraftSession, pb: common_pb2.TargetKv) -> tuple[AttachedKV, list[int], int] | None:
+        """A Propose's target_kv, where this service can take KV from it: a model drafter on a native engine, a
+        decoder-only session, a cache this process could map (`specmesh.kv.shared.attach`, once per region)."""
+        if not (session.draft_ahead and isinstance(self.drafter, ModelDrafter) and isinstance(self.engine, NativeEngine)):
+            return None
+        region = kv_region_from_pb(pb.region)
+        if region.key not in self._kv_sources:
+            if len(self._kv_sources) >= MAX_KV_SOURCES:  # replicas gone: their sessions keep their own mapping alive
+                self._kv_sources.pop(next(iter(self._kv_sources)))
+            self._kv_sources[region.key] = attach(region, self.model_folder, self.engine.cache.k.shape)
+        source = self._kv_sources[region.key]
+        return (source, list(pb.blocks), pb.length) if source is not None else None
 
     def _encoder_input(self, encoder_input_ids: Sequence[int]) -> list[int]:
         """A request's encoder input, validated: required by a model drafter on an encoder-decoder model,
@@ -291,7 +339,8 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             self.drafter.check_call(session.state, accepted, k)  # a bad call fails alone, before the batch
             session.drafted = session.drafted or k > 0
             self.check_kv_quota(len(accepted) + k)
-            result: ProposeResult = await self.batcher.submit(ProposeCall(session, accepted, k, q_dtype))
+            target_kv = self._target_kv(session, request.target_kv) if request.HasField("target_kv") else None
+            result: ProposeResult = await self.batcher.submit(ProposeCall(session, accepted, k, q_dtype, target_kv))
             session.num_tokens += len(accepted)
             held = getattr(session.state, "guess_held", None)
             if held is not None:

@@ -15,6 +15,7 @@ from specmesh.decoding.sampling import AcceptanceRule, SamplingParams, resolve_s
 from specmesh.decoding.state import FinishReason
 from specmesh.decoding.stats import SpecStats
 from specmesh.decoding.types import SparseProbs
+from specmesh.kv.shared import KvRegion
 from specmesh.proto.v1 import common_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -195,6 +196,17 @@ def stats_to_pb(stats: SpecStats) -> common_pb2.SpeculationStats:
 
 
 # model info
+def kv_region_pb(region: KvRegion) -> common_pb2.KvRegion:
+    """A shared KV cache's description (`specmesh.kv.shared`) as its message."""
+    return common_pb2.KvRegion(pid=region.pid, fd=region.fd, inode=region.inode, device=region.device, boot_id=region.boot_id,
+                               shape=list(region.shape), dtype=region.dtype, block_size=region.block_size, model=region.model)
+
+
+def kv_region_from_pb(pb: common_pb2.KvRegion) -> KvRegion:
+    return KvRegion(pid=pb.pid, fd=pb.fd, inode=pb.inode, device=pb.device, boot_id=pb.boot_id, shape=tuple(pb.shape),
+                    dtype=pb.dtype, block_size=pb.block_size, model=pb.model)
+
+
 def kv_usage_pb(usage) -> common_pb2.KvUsage:
     """An `Engine.kv_usage()` as its message."""
     return common_pb2.KvUsage(block_size=usage.block_size, total_blocks=usage.total_blocks, free_blocks=usage.free_blocks)

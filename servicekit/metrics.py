@@ -54,6 +54,11 @@ class ServiceMetrics:
         Gauge(p + "ahead_served_tokens", "tokens drafted ahead that became a proposal's", **labels).set_function(served)
         Gauge(p + "ahead_dropped_tokens", "tokens drafted ahead that the verdict made useless", **labels).set_function(dropped)
 
+    def watch_kv_taken(self, taken: Callable[[], int]) -> None:
+        """Report the context tokens a Draft service copied from a Verify service's shared cache instead of feeding them."""
+        Gauge("specmesh_kv_taken_tokens", "context tokens whose KV was copied from the target's shared cache, not fed",
+              registry=self.registry).set_function(taken)
+
     def watch_kv(self, kv_usage: Callable[[], Any]) -> None:
         """Report an engine's KV pool (`Engine.kv_usage`) on every scrape."""
         self.kv_blocks_total.set_function(lambda: kv_usage().total_blocks)

@@ -31,7 +31,7 @@ from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.state import FinishReason
 from specmesh.decoding.tree import tree_children
 from specmesh.decoding.types import FinalTokenKind, VerifyOutcome
-from specmesh.proto.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+from specmesh.proto.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
 
 @dataclass
@@ -79,6 +79,7 @@ class RemoteVerifier:
         self.forward_cost: ForwardCost | None = None  # its verify forwards' fit, as that OpenSession reported
         self._rounds: dict[str, int] = {}  # session -> rounds done
         self._forced: dict[str, list[int]] = {}  # session -> committed tokens its next Verify carries (lossy mode)
+        self.target_kv: dict[str, common_pb2.TargetKv] = {}  # session -> its KV in the replica's shared cache, as last said
 
     async def info(self) -> TargetInfo:
         if self._info is None:
@@ -92,7 +93,13 @@ class RemoteVerifier:
             timeout=self.timeout_s, metadata=self.metadata)
         self.step_ms = response.step_ms if response.HasField("step_ms") else None
         self.forward_cost = forward_cost_from_pb(response)
+        self._heard_kv(response.session_id, response)
         return response.session_id, response.first_token_id
+
+    def _heard_kv(self, session_id: str, response) -> None:
+        """Keep what a VerifyResponse / VerifyOpenSessionResponse says of the session's shared KV (if anything)."""
+        if response.HasField("target_kv"):
+            self.target_kv[session_id] = response.target_kv
 
     def opened_ms_per_token(self, session_id: str) -> float | None:
         """`CostReporter`: the replica's one-token forward when the session opened."""
@@ -147,6 +154,7 @@ class RemoteVerifier:
     def _verify_result(self, request: verify_pb2.VerifyRequest, response: verify_pb2.VerifyResponse,
                        proposal: DraftProposal) -> tuple[VerifyOutcome, FinishReason | None]:
         self._rounds[request.session_id] = response.round_index + 1
+        self._heard_kv(request.session_id, response)
         self.counters.add(request, response)
         self.counters.end_round()
         return outcome_from_pb(response, proposal), FINISH_FROM_PB[response.finish_reason]
@@ -156,6 +164,7 @@ class RemoteVerifier:
         request = verify_pb2.StepRequest(session_id=session_id, num_draft_tokens=k, round_index=self._rounds.get(session_id, 0))
         response = await call_round(self.stub.Step, request, self.timeout_s, self.metadata or ())
         self._rounds[session_id] = response.result.round_index + 1
+        self._heard_kv(session_id, response.result)
         self.counters.add(request, response)
         self.counters.end_round()
         drafted = DraftProposal(token_ids=[0] * response.num_draft_tokens)  # a chain of that length, for the outcome
@@ -184,6 +193,7 @@ class RemoteVerifier:
                 if response is grpc.aio.EOF:
                     return
                 self._rounds[session_id] = response.result.round_index + 1
+                self._heard_kv(session_id, response.result)
                 self.counters.add(response)
                 self.counters.end_round()
                 drafted = DraftProposal(token_ids=[0] * response.num_draft_tokens)  # a chain of that length, for the outcome
@@ -194,6 +204,7 @@ class RemoteVerifier:
 
     async def close(self, session_id: str) -> None:
         self._rounds.pop(session_id, None)
+        self.target_kv.pop(session_id, None)
         self._forced.pop(session_id, None)
         await _close_quietly(self.stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session_id),
                                                     timeout=self.timeout_s, metadata=self.metadata))
@@ -242,11 +253,14 @@ class RemoteDrafter:
         """`CostReporter`: whether the service drafts this session's next round while its last one is verified."""
         return session.drafts_ahead
 
-    async def propose(self, session: RemoteDraftSession, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
+    async def propose(self, session: RemoteDraftSession, accepted_since_last: Sequence[int], max_tokens: int,
+                      target_kv: common_pb2.TargetKv | None = None) -> DraftProposal:
+        """`target_kv`: the target session's KV as the Verify service last said (`RemoteVerifier.target_kv`): a Draft
+        service on its host may copy the context it was not fed from there (specmesh/kv/shared.py)."""
         request = draft_pb2.ProposeRequest(
             session_id=session.session_id, accepted_token_ids=list(accepted_since_last), num_draft_tokens=max_tokens,
             return_distributions=session.needs_q, sparse_distributions=self.sparse_q,
-            distributions_dtype=PB_BY_TORCH[self.q_dtype], round_index=session.rounds[0])
+            distributions_dtype=PB_BY_TORCH[self.q_dtype], round_index=session.rounds[0], target_kv=target_kv)
         response = await call_round(self.stub.Propose, request, self.timeout_s, self.metadata or ())
         session.rounds[0] = response.round_index + 1
         if response.HasField("ms_per_token"):

@@ -21,6 +21,7 @@ class VerifyOptions(ServerOptions, ModelOptions, QuotaOptions, CoreOptions):
     fused_drafter: str = "ngram"  # drafter hosted for Step: "" (none) | ngram | ngram-store | model
     fused_drafter_model: str = ""  # model spec of the fused model drafter; "" = the target's own weights
     fused_drafter_dtype: str = "bfloat16"  # dtype of the fused model drafter (self-draft at lower precision)
+    share_kv: bool = True  # KV cache in shared memory (CPU): a Draft service of this model on this host copies its context's KV
     default_max_new_tokens: int = 256  # Generate's max_new_tokens when the request says 0
     skeleton_max_points: int = 32  # largest plan a constrained session may ask for (compile time grows with it)
     skeleton_max_title_bytes: int = 200

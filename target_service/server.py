@@ -42,14 +42,27 @@ def build_fused_drafter(options: VerifyOptions, target=None, target_folder: str 
     return None
 
 
+def share_kv(options: VerifyOptions, engine, folder: str):
+    """The target's KV cache moved into shared memory for a Draft service on this host
+    (`specmesh.kv.shared`; answers then carry `target_kv`): CPU native engines, with `share_kv` on."""
+    from specmesh.kv.shared import share_cache
+    from specmesh.models.encdec import is_encoder_decoder
+    from specmesh.models.native_engine import NativeEngine
+
+    if not options.share_kv or not isinstance(engine, NativeEngine) or is_encoder_decoder(engine) or engine.device.type != "cpu":
+        return None
+    return share_cache(engine.cache, folder)
+
+
 async def create_server(options: VerifyOptions) -> tuple[ServiceHandle, int]:
     metrics = ServiceMetrics("verify")
     engine_thread = EngineThread("verify-engine")  # the model is loaded and run on it (servicekit.engine_thread)
     engine_thread.core_share = core_share_from(options)
     single_threaded_here()
     engine, folder = await engine_thread.run(load_service_engine, options)
+    region = await engine_thread.run(share_kv, options, engine, folder)
     fused = await engine_thread.run(build_fused_drafter, options, engine, folder)
-    servicer = VerifyServicer(options, engine, folder, metrics, fused, engine_thread)
+    servicer = VerifyServicer(options, engine, folder, metrics, fused, engine_thread, kv_region=region)
     servicer.sessions.start_reaper(options.reaper_interval_s)
     handle = await start_service(options, metrics, servicer, [(verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE_NAME)],
                                  on_stop=[servicer.shutdown])

@@ -19,7 +19,16 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
-from servicekit.convert import FINISH_TO_PB, check_draft_has_q, kv_usage_pb, model_info_pb, sampling_from_pb, stats_to_pb, token_ids_from_pb
+from servicekit.convert import (
+    FINISH_TO_PB,
+    check_draft_has_q,
+    kv_region_pb,
+    kv_usage_pb,
+    model_info_pb,
+    sampling_from_pb,
+    stats_to_pb,
+    token_ids_from_pb,
+)
 from servicekit.engine_thread import EngineThread, run_aside
 from servicekit.errors import FailedPrecondition, Unimplemented, message_for, rpc_method, status_for
 from servicekit.metrics import ServiceMetrics
@@ -32,6 +41,7 @@ from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import SpeculationState, draft_seed
 from specmesh.decoding.verifier import TargetSession, TargetVerifier, validate_prompt
 from specmesh.drafters.model import ModelDrafter
+from specmesh.kv.shared import KvRegion
 from specmesh.models.encdec import bind_encoder_input, is_encoder_decoder, validate_encoder_input
 from specmesh.models.engine import ContextLengthError
 from specmesh.proto.v1 import common_pb2, verify_pb2, verify_pb2_grpc
@@ -49,7 +59,7 @@ SOLO_ROUNDS = 16  # rounds a lone stream (Generate, target-only Run) runs per en
 
 class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     def __init__(self, options: VerifyOptions, engine, model_folder: str, metrics: ServiceMetrics, fused_drafter=None,
-                 engine_thread: EngineThread | None = None):
+                 engine_thread: EngineThread | None = None, kv_region: KvRegion | None = None):
         super().__init__("verify", options.session_ttl_s, metrics, options, engine_thread)
         self.options = options
         self.engine = engine
@@ -58,6 +68,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         metrics.watch_kv(engine.kv_usage)
         metrics.watch_engine(lambda: engine.stats)
         self.fused_drafter = fused_drafter
+        self.kv_region = kv_region_pb(kv_region) if kv_region is not None else None  # the KV shared in memory (server.share_kv)
         self._generating = 0  # Generate streams in progress: callers of the batcher without a session id
         self._running = 0  # sessions inside a Run stream (their rounds stepped here, no client drafting for them)
         if options.borrow_threads > 0 or self.engine_thread.core_share is not None:
@@ -226,7 +237,19 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         response = verify_response(session_id, outcome, proposal.is_tree, result, event.finish_reason)
         if proposal.is_tree:  # node indices of the request, not of the capped tree
             response.accepted_tree_nodes[:] = [kept[node] for node in outcome.accepted_nodes]
+        self._tell_kv(session, response.target_kv)
         return response
+
+    def _tell_kv(self, session: VerifySession, target_kv: common_pb2.TargetKv) -> None:
+        """Where the session's KV lies in the shared cache, for a Draft service on this host (its next Propose):
+        only a session with a sequence of its own (not a skeleton's shared layout) in a shared cache."""
+        target = session.target
+        if self.kv_region is None or target.group is not None or session.encoder_input_ids:
+            return
+        size = self.engine.cache.block_size
+        target_kv.region.CopyFrom(self.kv_region)
+        target_kv.blocks[:] = self.engine.cache.blocks.block_table(target.seq_id)[: -(-target.num_cached // size)]
+        target_kv.length = target.num_cached
 
     # RPCs
     @rpc_method
@@ -247,6 +270,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                                                         ttl_ms=self.sessions.ttl_ms, seed=seed,
                                                         finish_reason=FINISH_TO_PB[session.round.finish_reason],
                                                         step_ms=self.engine.stats.step_ms)
+        self._tell_kv(session, response.target_kv)
         batch_size = max(1, round(self.batcher.recent_batch_size))
         cost = self.verifier.forward_cost(batch_size)
         if cost is not None:  # the caller's prior beta (its k policy), at the batch this session will likely share

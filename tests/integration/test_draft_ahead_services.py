@@ -9,7 +9,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from service_helpers import target_only_greedy, wait_for
+from service_helpers import speculative_via_coordinator, target_only_greedy, wait_for
 
 from coordinator.options import CoordinatorOptions
 from coordinator.server import create_server as create_coordinator
@@ -18,7 +18,7 @@ from draft_service.server import create_server as create_draft
 from servicekit.auth import ANONYMOUS
 from servicekit.background import BackgroundServices
 from servicekit.channels import open_channel as channel
-from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from specmesh.proto.v1 import common_pb2, coordinator_pb2
 from target_service.options import VerifyOptions
 from target_service.server import create_server as create_verify
 
@@ -51,15 +51,7 @@ def services(target):
 
 
 async def _generate(address: str, k: int, **sampling) -> tuple[list[int], coordinator_pb2.GenerateResponse]:
-    sampling = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 48, **sampling}
-    request = coordinator_pb2.GenerateRequest(prompt=PROMPT, mode=SPEC, drafter="service", num_draft_tokens=k,
-                                              sampling=common_pb2.SamplingParams(**sampling))
-    async with channel(address) as ch:
-        tokens, last = [], None
-        async for response in coordinator_pb2_grpc.CoordinatorServiceStub(ch).Generate(request, timeout=TIMEOUT_S):
-            tokens += response.token_ids
-            last = response
-        return tokens, last
+    return await speculative_via_coordinator(address, PROMPT, k, TIMEOUT_S, **sampling)
 
 
 def _run(coro):

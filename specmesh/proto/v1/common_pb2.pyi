@@ -532,6 +532,94 @@ class ProcessInfo(_message.Message):
 Global___ProcessInfo: _TypeAlias = ProcessInfo  # noqa: Y015
 
 @_typing.final
+class KvRegion(_message.Message):
+    """A Verify service's KV cache, in a shared memory file a Draft service on the same host may map to take
+    its context's keys and values instead of computing them (a self-draft: the same model at a lower
+    precision; specmesh/kv/shared.py). K then V, each `shape` in `dtype`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    FD_FIELD_NUMBER: _builtins.int
+    INODE_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    """the writer's process; the file is /proc/<pid>/fd/<fd> there"""
+    fd: _builtins.int
+    inode: _builtins.int
+    """the file's inode and device: a reader checks it opened that file"""
+    device: _builtins.int
+    boot_id: _builtins.str
+    """the writer's host (its kernel's boot id)"""
+    dtype: _builtins.str
+    """"torch.float32" | "torch.bfloat16" | "torch.float16" """
+    block_size: _builtins.int
+    """slots per block: position p of a session is at blocks[p / size] * size + p % size"""
+    model: _builtins.str
+    """the model folder its weights came from (a reader of another model refuses it)"""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """[num_layers, num_slots, num_kv_heads, head_dim]"""
+
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        fd: _builtins.int = ...,
+        inode: _builtins.int = ...,
+        device: _builtins.int = ...,
+        boot_id: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        dtype: _builtins.str = ...,
+        block_size: _builtins.int = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "boot_id", b"boot_id", "device", b"device", "dtype", b"dtype", "fd", b"fd", "inode", b"inode", "model", b"model", "pid", b"pid", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvRegion: _TypeAlias = KvRegion  # noqa: Y015
+
+@_typing.final
+class TargetKv(_message.Message):
+    """Where one target session's context lies in a KvRegion: its blocks, and how many leading positions are
+    final (the target only appends after them). Verify answers carry it; the caller hands it to the next Propose.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    length: _builtins.int
+    @_builtins.property
+    def region(self) -> Global___KvRegion: ...
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        region: Global___KvRegion | None = ...,
+        blocks: _abc.Iterable[_builtins.int] | None = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "length", b"length", "region", b"region"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TargetKv: _TypeAlias = TargetKv  # noqa: Y015
+
+@_typing.final
 class ModelInfo(_message.Message):
     """Static facts about a served model, so peers can check they agree (vocab, tokenizer, EOS)."""
 

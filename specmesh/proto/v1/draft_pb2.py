@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.proto.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/draft.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x8f\x01\n\x17\x44raftOpenSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x19\n\x11\x65ncoder_input_ids\x18\x04 \x03(\rJ\x04\x08\x03\x10\x04R\nsession_id\"\x8e\x01\n\x18\x44raftOpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x19\n\x0cms_per_token\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0c\x64rafts_ahead\x18\x05 \x01(\x08\x42\x0f\n\r_ms_per_token\"\x8c\x02\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x1c\n\x14return_distributions\x18\x04 \x01(\x08\x12\x1c\n\x14sparse_distributions\x18\x05 \x01(\x08\x12/\n\x13\x64istributions_dtype\x18\x06 \x01(\x0e\x32\x12.specmesh.v1.DType\x12\x19\n\x11num_rewind_tokens\x18\x07 \x01(\r\x12\x18\n\x0bround_index\x18\x08 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_round_index\"\xbf\x02\n\x0fProposeResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\r\x12\x36\n\rdistributions\x18\x02 \x01(\x0b\x32\x1f.specmesh.v1.DraftDistributions\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x14\n\x0ctree_parents\x18\x04 \x03(\x05\x12\x13\n\x0bround_index\x18\x05 \x01(\x04\x12#\n\x16\x66irst_token_acceptance\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10\x61head_forward_ms\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cms_per_token\x18\x08 \x01(\x01H\x02\x88\x01\x01\x42\x19\n\x17_first_token_acceptanceB\x13\n\x11_ahead_forward_msB\x0f\n\r_ms_per_token\".\n\x18\x44raftCloseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\",\n\x19\x44raftCloseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x15\n\x13\x44raftGetInfoRequest\"\xb7\x01\n\x14\x44raftGetInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.ModelInfo\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.specmesh.v1.KvUsage\x12\x1a\n\x12is_encoder_decoder\x18\x04 \x01(\x08\x12)\n\x07process\x18\x05 \x01(\x0b\x32\x18.specmesh.v1.ProcessInfo2\xdf\x02\n\x0c\x44raftService\x12Z\n\x0bOpenSession\x12$.specmesh.v1.DraftOpenSessionRequest\x1a%.specmesh.v1.DraftOpenSessionResponse\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12]\n\x0c\x43loseSession\x12%.specmesh.v1.DraftCloseSessionRequest\x1a&.specmesh.v1.DraftCloseSessionResponse\x12N\n\x07GetInfo\x12 .specmesh.v1.DraftGetInfoRequest\x1a!.specmesh.v1.DraftGetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/draft.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x8f\x01\n\x17\x44raftOpenSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x19\n\x11\x65ncoder_input_ids\x18\x04 \x03(\rJ\x04\x08\x03\x10\x04R\nsession_id\"\x8e\x01\n\x18\x44raftOpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x19\n\x0cms_per_token\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0c\x64rafts_ahead\x18\x05 \x01(\x08\x42\x0f\n\r_ms_per_token\"\xb6\x02\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x1c\n\x14return_distributions\x18\x04 \x01(\x08\x12\x1c\n\x14sparse_distributions\x18\x05 \x01(\x08\x12/\n\x13\x64istributions_dtype\x18\x06 \x01(\x0e\x32\x12.specmesh.v1.DType\x12\x19\n\x11num_rewind_tokens\x18\x07 \x01(\r\x12\x18\n\x0bround_index\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12(\n\ttarget_kv\x18\t \x01(\x0b\x32\x15.specmesh.v1.TargetKvB\x0e\n\x0c_round_index\"\xbf\x02\n\x0fProposeResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\r\x12\x36\n\rdistributions\x18\x02 \x01(\x0b\x32\x1f.specmesh.v1.DraftDistributions\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x14\n\x0ctree_parents\x18\x04 \x03(\x05\x12\x13\n\x0bround_index\x18\x05 \x01(\x04\x12#\n\x16\x66irst_token_acceptance\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10\x61head_forward_ms\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x19\n\x0cms_per_token\x18\x08 \x01(\x01H\x02\x88\x01\x01\x42\x19\n\x17_first_token_acceptanceB\x13\n\x11_ahead_forward_msB\x0f\n\r_ms_per_token\".\n\x18\x44raftCloseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\",\n\x19\x44raftCloseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x15\n\x13\x44raftGetInfoRequest\"\xb7\x01\n\x14\x44raftGetInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.ModelInfo\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.specmesh.v1.KvUsage\x12\x1a\n\x12is_encoder_decoder\x18\x04 \x01(\x08\x12)\n\x07process\x18\x05 \x01(\x0b\x32\x18.specmesh.v1.ProcessInfo2\xdf\x02\n\x0c\x44raftService\x12Z\n\x0bOpenSession\x12$.specmesh.v1.DraftOpenSessionRequest\x1a%.specmesh.v1.DraftOpenSessionResponse\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12]\n\x0c\x43loseSession\x12%.specmesh.v1.DraftCloseSessionRequest\x1a&.specmesh.v1.DraftCloseSessionResponse\x12N\n\x07GetInfo\x12 .specmesh.v1.DraftGetInfoRequest\x1a!.specmesh.v1.DraftGetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTOPENSESSIONRESPONSE']._serialized_start=213
   _globals['_DRAFTOPENSESSIONRESPONSE']._serialized_end=355
   _globals['_PROPOSEREQUEST']._serialized_start=358
-  _globals['_PROPOSEREQUEST']._serialized_end=626
-  _globals['_PROPOSERESPONSE']._serialized_start=629
-  _globals['_PROPOSERESPONSE']._serialized_end=948
-  _globals['_DRAFTCLOSESESSIONREQUEST']._serialized_start=950
-  _globals['_DRAFTCLOSESESSIONREQUEST']._serialized_end=996
-  _globals['_DRAFTCLOSESESSIONRESPONSE']._serialized_start=998
-  _globals['_DRAFTCLOSESESSIONRESPONSE']._serialized_end=1042
-  _globals['_DRAFTGETINFOREQUEST']._serialized_start=1044
-  _globals['_DRAFTGETINFOREQUEST']._serialized_end=1065
-  _globals['_DRAFTGETINFORESPONSE']._serialized_start=1068
-  _globals['_DRAFTGETINFORESPONSE']._serialized_end=1251
-  _globals['_DRAFTSERVICE']._serialized_start=1254
-  _globals['_DRAFTSERVICE']._serialized_end=1605
+  _globals['_PROPOSEREQUEST']._serialized_end=668
+  _globals['_PROPOSERESPONSE']._serialized_start=671
+  _globals['_PROPOSERESPONSE']._serialized_end=990
+  _globals['_DRAFTCLOSESESSIONREQUEST']._serialized_start=992
+  _globals['_DRAFTCLOSESESSIONREQUEST']._serialized_end=1038
+  _globals['_DRAFTCLOSESESSIONRESPONSE']._serialized_start=1040
+  _globals['_DRAFTCLOSESESSIONRESPONSE']._serialized_end=1084
+  _globals['_DRAFTGETINFOREQUEST']._serialized_start=1086
+  _globals['_DRAFTGETINFOREQUEST']._serialized_end=1107
+  _globals['_DRAFTGETINFORESPONSE']._serialized_start=1110
+  _globals['_DRAFTGETINFORESPONSE']._serialized_end=1293
+  _globals['_DRAFTSERVICE']._serialized_start=1296
+  _globals['_DRAFTSERVICE']._serialized_end=1647
 # @@protoc_insertion_point(module_scope)

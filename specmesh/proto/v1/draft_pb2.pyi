@@ -104,6 +104,7 @@ class ProposeRequest(_message.Message):
     DISTRIBUTIONS_DTYPE_FIELD_NUMBER: _builtins.int
     NUM_REWIND_TOKENS_FIELD_NUMBER: _builtins.int
     ROUND_INDEX_FIELD_NUMBER: _builtins.int
+    TARGET_KV_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_draft_tokens: _builtins.int
     """k: how many tokens to propose; 0 = only append accepted_token_ids"""
@@ -121,6 +122,12 @@ class ProposeRequest(_message.Message):
     def accepted_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """tokens the target accepted since the last call (incl. its own token)"""
 
+    @_builtins.property
+    def target_kv(self) -> _common_pb2.TargetKv:
+        """call gets its first answer again, a mismatch FAILED_PRECONDITION
+        the target session's KV as its last answer said (optional): a model
+        """
+
     def __init__(
         self,
         *,
@@ -132,10 +139,11 @@ class ProposeRequest(_message.Message):
         distributions_dtype: _common_pb2.DType.ValueType = ...,
         num_rewind_tokens: _builtins.int = ...,
         round_index: _builtins.int | None = ...,
+        target_kv: _common_pb2.TargetKv | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "round_index", b"round_index"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "round_index", b"round_index", "target_kv", b"target_kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "accepted_token_ids", b"accepted_token_ids", "distributions_dtype", b"distributions_dtype", "num_draft_tokens", b"num_draft_tokens", "num_rewind_tokens", b"num_rewind_tokens", "return_distributions", b"return_distributions", "round_index", b"round_index", "session_id", b"session_id", "sparse_distributions", b"sparse_distributions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "accepted_token_ids", b"accepted_token_ids", "distributions_dtype", b"distributions_dtype", "num_draft_tokens", b"num_draft_tokens", "num_rewind_tokens", b"num_rewind_tokens", "return_distributions", b"return_distributions", "round_index", b"round_index", "session_id", b"session_id", "sparse_distributions", b"sparse_distributions", "target_kv", b"target_kv"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__round_index: _TypeAlias = _typing.Literal["round_index"]  # noqa: Y015
     _WhichOneofArgType__round_index: _TypeAlias = _typing.Literal["_round_index", b"_round_index"]  # noqa: Y015

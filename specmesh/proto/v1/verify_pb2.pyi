@@ -115,6 +115,7 @@ class VerifyOpenSessionResponse(_message.Message):
     FORWARD_FIXED_MS_FIELD_NUMBER: _builtins.int
     FORWARD_MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    TARGET_KV_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     first_token_id: _builtins.int
     """the target's token after the prompt"""
@@ -135,6 +136,10 @@ class VerifyOpenSessionResponse(_message.Message):
     """
     forward_ms_per_token: _builtins.float
     batch_size: _builtins.int
+    @_builtins.property
+    def target_kv(self) -> _common_pb2.TargetKv:
+        """set when the service shares its KV cache (`share_kv`): the prompt in it"""
+
     def __init__(
         self,
         *,
@@ -147,10 +152,11 @@ class VerifyOpenSessionResponse(_message.Message):
         forward_fixed_ms: _builtins.float | None = ...,
         forward_ms_per_token: _builtins.float | None = ...,
         batch_size: _builtins.int = ...,
+        target_kv: _common_pb2.TargetKv | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "_step_ms", b"_step_ms", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token", "step_ms", b"step_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "_step_ms", b"_step_ms", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token", "step_ms", b"step_ms", "target_kv", b"target_kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "_step_ms", b"_step_ms", "batch_size", b"batch_size", "finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token", "seed", b"seed", "session_id", b"session_id", "step_ms", b"step_ms", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "_step_ms", b"_step_ms", "batch_size", b"batch_size", "finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token", "seed", b"seed", "session_id", b"session_id", "step_ms", b"step_ms", "target_kv", b"target_kv", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__forward_fixed_ms: _TypeAlias = _typing.Literal["forward_fixed_ms"]  # noqa: Y015
     _WhichOneofArgType__forward_fixed_ms: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms"]  # noqa: Y015
@@ -246,6 +252,7 @@ class VerifyResponse(_message.Message):
     FORWARD_FIXED_MS_FIELD_NUMBER: _builtins.int
     FORWARD_MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     BATCH_TOKENS_FIELD_NUMBER: _builtins.int
+    TARGET_KV_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_accepted_tokens: _builtins.int
     """how many draft tokens were accepted (a prefix / a tree path)"""
@@ -277,6 +284,10 @@ class VerifyResponse(_message.Message):
     def accepted_tree_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """for tree drafts: the accepted node indices, root first"""
 
+    @_builtins.property
+    def target_kv(self) -> _common_pb2.TargetKv:
+        """set when the service shares its KV cache (`share_kv`): the session's"""
+
     def __init__(
         self,
         *,
@@ -293,10 +304,11 @@ class VerifyResponse(_message.Message):
         forward_fixed_ms: _builtins.float | None = ...,
         forward_ms_per_token: _builtins.float | None = ...,
         batch_tokens: _builtins.int = ...,
+        target_kv: _common_pb2.TargetKv | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token", "target_kv", b"target_kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "accepted_token_ids", b"accepted_token_ids", "accepted_tree_nodes", b"accepted_tree_nodes", "batch_size", b"batch_size", "batch_tokens", b"batch_tokens", "finish_reason", b"finish_reason", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token", "num_accepted_tokens", b"num_accepted_tokens", "round_index", b"round_index", "session_id", b"session_id", "status_code", b"status_code", "status_message", b"status_message", "verify_ms", b"verify_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms", "_forward_ms_per_token", b"_forward_ms_per_token", "accepted_token_ids", b"accepted_token_ids", "accepted_tree_nodes", b"accepted_tree_nodes", "batch_size", b"batch_size", "batch_tokens", b"batch_tokens", "finish_reason", b"finish_reason", "forward_fixed_ms", b"forward_fixed_ms", "forward_ms_per_token", b"forward_ms_per_token", "num_accepted_tokens", b"num_accepted_tokens", "round_index", b"round_index", "session_id", b"session_id", "status_code", b"status_code", "status_message", b"status_message", "target_kv", b"target_kv", "verify_ms", b"verify_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__forward_fixed_ms: _TypeAlias = _typing.Literal["forward_fixed_ms"]  # noqa: Y015
     _WhichOneofArgType__forward_fixed_ms: _TypeAlias = _typing.Literal["_forward_fixed_ms", b"_forward_fixed_ms"]  # noqa: Y015

@@ -1,0 +1,108 @@
+"""A Draft service on the Verify service's host takes its context's KV from the Verify service's shared
+cache (`specmesh.kv.shared`, `share_kv`), through the Coordinator (in-process services on loopback, tiny
+random models): greedy output equals target-only decoding, the coupled seeded output equals that of a
+Verify service that shares nothing, the draft copies the prompt instead of feeding it, and a draft of
+another model refuses the cache."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from service_helpers import speculative_via_coordinator, target_only_greedy
+
+from coordinator.options import CoordinatorOptions
+from coordinator.server import create_server as create_coordinator
+from draft_service.options import DraftOptions
+from draft_service.server import create_server as create_draft
+from servicekit.background import BackgroundServices
+from specmesh.proto.v1 import common_pb2
+from target_service.options import VerifyOptions
+from target_service.server import create_server as create_verify
+
+TIMEOUT_S = 60
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+COUPLED = dict(temperature=0.9, top_k=0, seed=11, acceptance_rule=common_pb2.ACCEPTANCE_RULE_COUPLED)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return str(tiny_model_dir("llama", init_std=0.2))
+
+
+@pytest.fixture(scope="module")
+def services(target, tiny_model_dir):
+    """Coordinators named by what they pair: a sharing Verify service with a bf16 self-draft ("shared"), the same
+    draft with a Verify service that shares nothing ("private"), and the sharing one with a draft of another
+    model of the same shapes ("other")."""
+    other_model = str(tiny_model_dir("llama", init_std=0.3))
+    running = BackgroundServices()
+    try:
+        verifies = {share: running.start(create_verify(VerifyOptions(model=target, dtype="float64", port=0, share_kv=share)))
+                    for share in (True, False)}
+        pairs = {"shared": (target, True), "private": (target, False), "other": (other_model, True)}
+        out = {}
+        for name, (draft_model, share) in pairs.items():
+            draft = running.start(create_draft(DraftOptions(model=draft_model, dtype="bfloat16", port=0)))
+            coordinator = running.start(create_coordinator(CoordinatorOptions(
+                model=target, port=0, draft_addresses=f"127.0.0.1:{draft.port}",
+                verify_addresses=f"127.0.0.1:{verifies[share].port}")))
+            out[name] = (f"127.0.0.1:{coordinator.port}", draft.servicer)
+        yield out
+    finally:
+        running.close()
+
+
+def _run(address: str, **sampling):
+    run = speculative_via_coordinator(address, PROMPT, 4, TIMEOUT_S, **{"max_new_tokens": 40, **sampling})
+    return asyncio.run(asyncio.wait_for(run, TIMEOUT_S))
+
+
+def _prompt_ids(target: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target).encode(PROMPT, add_special_tokens=False)
+
+
+def _taken(servicer) -> int:
+    return sum(drafter.kv_taken for drafter in servicer._drafters.values())
+
+
+@pytest.mark.parametrize("name", ["shared", "private", "other"])
+def test_greedy_equals_target_only_and_only_the_same_model_on_a_sharing_target_takes_kv(services, target, name):
+    address, servicer = services[name]
+    before = _taken(servicer)
+    tokens, last = _run(address)
+    assert tokens == target_only_greedy(target, PROMPT, 40)
+    assert last.stats.num_draft_tokens > 0 and last.stats.num_failovers == 0
+    taken = _taken(servicer) - before
+    if name == "shared":  # at least the prompt (but its last token) came from the target's cache
+        assert taken >= len(_prompt_ids(target)) - 1
+    else:
+        assert taken == 0
+    assert servicer.engine.kv_usage().free_blocks == servicer.engine.kv_usage().total_blocks  # sessions closed, KV freed
+
+
+def test_coupled_seeded_output_is_the_same_with_the_kv_shared_or_not(services):
+    shared, _ = _run(services["shared"][0], **COUPLED)
+    private, _ = _run(services["private"][0], **COUPLED)
+    assert shared == private and len(shared) == 40
+
+
+def test_the_draft_proposes_what_the_in_process_self_draft_does(services, target):
+    """The shared draft's proposals are those of a self-draft in one process taking the same KV (`self_draft`):
+    the same rounds, so the same number of target forwards and accepted tokens."""
+    from specmesh.decoding.adaptive import FixedK
+    from specmesh.decoding.sampling import SamplingParams
+    from specmesh.decoding.speculative import generate
+    from specmesh.decoding.verifier import TargetVerifier
+    from specmesh.drafters.model import self_draft
+    from specmesh.models.load import load_engine
+
+    _, last = _run(services["shared"][0])
+    ids = _prompt_ids(target)
+    engine = load_engine(target, dtype="float64")
+    result = generate(TargetVerifier(engine), self_draft(load_engine(target, dtype="bfloat16"), engine), ids,
+                      SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=40), k_policy=FixedK(4))
+    assert last.stats.num_target_forwards == result.stats.num_target_forwards
+    assert last.stats.num_accepted_tokens == result.stats.num_accepted_tokens
