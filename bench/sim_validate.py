@@ -350,6 +350,8 @@ def sim_config(out: dict, tables: dict[str, str], level: dict, latency_ms: float
     speculation: dict = {"k": out["k"], "acceptance_marginal": level["acceptance_marginal"] or [0.0]}
     if out.get("draft_ahead"):
         speculation.update(draft_ahead=True, guess_rate=guess_rate(level["acceptance_marginal"]))
+    if out.get("draft_shares_kv"):  # runs before the Verify service shared its KV (2026-11-28) fed their context
+        speculation["draft_shares_kv"] = True
     if all(r["rounds"] for r in requests):
         speculation["acceptance_per_request"] = [
             round_counts(r["rounds"], r["accepted_per_position"], r["index"]) if r.get("accepted_per_position") is not None
@@ -603,7 +605,7 @@ def main() -> int:
     prompts = [[{"role": "user", "content": t}] for t in DEFAULT_PROMPTS]
     prompt_lengths = [len(chat_prompt_ids(tokenizer, t)) for t in DEFAULT_PROMPTS]
     out: dict = {"machine": platform.processor() or platform.machine(), "cores": args.cores, "threads": args.threads, "k": args.k,
-                 "draft_ahead": args.draft_ahead, "name": args.name or ("sim_validate_ahead" if args.draft_ahead else "sim_validate"),
+                 "draft_ahead": args.draft_ahead, "draft_shares_kv": True, "name": args.name or ("sim_validate_ahead" if args.draft_ahead else "sim_validate"),
                  "load_average_before": os.getloadavg(), "quick": args.quick, "repeats": args.repeats,
                  "max_new_tokens": args.max_new_tokens, "requests_per_client": args.requests_per_client, "levels": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -270,6 +270,7 @@ class Simulation:
         conditional = conditional_from_marginal(spec.acceptance_marginal) if spec.acceptance_marginal else spec.acceptance
         self.acceptance = AcceptanceModel(conditional, spec.acceptance_trace)
         self.draft_ahead = config.mode == "distributed" and spec.draft_ahead
+        self.draft_shares_kv = config.mode == "distributed" and spec.draft_shares_kv
         self._guess_rate = spec.guess_rate or None  # None: the per-position acceptance after the k drafts
         self.ahead_served_tokens = 0  # inside and outside the window: a run's totals (tests, reports)
         self.ahead_forwards = 0  # forwards ahead run (each batches every session with one to run)
@@ -453,7 +454,8 @@ class Simulation:
         generated, new_input = 1, 1  # tokens out; tokens emitted by the last round (what the drafter is told)
         # what the drafter's next first forward feeds (ModelDrafter._absorb): the prompt and the first token, or
         # drafting ahead, which prefilled the prompt at open but its last token, those two
-        draft_feed = 2 if self.draft_ahead else num_prompt + 1
+        # (sharing the target's KV, only the last of them: the rest is copied)
+        draft_feed = 1 if self.draft_shares_kv else 2 if self.draft_ahead else num_prompt + 1
         k_max = config.speculation.k if mode != "autoregressive" else 0
         q_bytes = config.speculation.q_bytes_per_draft_token
         trace_offset = conv_id % len(self.acceptance.trace) if self.acceptance.trace else 0  # sessions start apart
@@ -506,7 +508,7 @@ class Simulation:
             rounds.record(k, num_accepted, [0] * new_input)
             # the drafter kept its first k - 1 draft tokens; it feeds the target's token (and the last
             # draft token when all k were accepted); without a draft this round, everything new
-            draft_feed = (1 if num_accepted < k else 2) if k else draft_feed + new_input
+            draft_feed = 1 if self.draft_shares_kv else (1 if num_accepted < k else 2) if k else draft_feed + new_input
             generated += new_input
             record.num_rounds += 1
             record.num_draft_tokens += k

@@ -128,6 +128,9 @@ class Speculation:
     # P(the drafter's guess is the target's token | all k accepted); 0 = the per-position acceptance at
     # position k + 1 (a trace has none: give it)
     guess_rate: float = 0.0
+    # distributed mode: the Draft service copies its context's KV from the Verify service's shared cache (`share_kv`,
+    # the same model on one host; specmesh/kv/shared.py): a Propose feeds one token, the copies are not priced
+    draft_shares_kv: bool = False
 
 
 @dataclass

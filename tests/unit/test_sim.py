@@ -518,3 +518,26 @@ def test_the_first_draft_ahead_feeds_one_token_where_the_draft_engines_steps_equ
     draft.steps_equal_chains = True
     assert [run.forward_ms() for run.forwards in (0, 1, 2)] == [10.0, 10.0, 10.0]
     assert config_from_dict(base_config(drafts=[{"steps_equal_chains": True}])).drafts[0].steps_equal_chains
+
+
+def test_a_draft_sharing_the_targets_kv_feeds_one_token_a_propose():
+    """`speculation.draft_shares_kv` (the live Draft service copying its context from the Verify service's shared
+    cache): k = 3, every draft right, a draft forward 1 ms + 1 ms per token fed. Feeding its context, the first
+    Propose feeds the 10-token prompt and the first token (12 ms for its first forward) and each later one the
+    last draft and the target's token (3 ms); sharing, each feeds one token (2 ms): 10 + 4 x 1 ms saved over
+    the 5 rounds of 21 tokens, the rounds unchanged."""
+    from specmesh.sim import Simulation
+
+    def one(shares: bool):
+        sim = Simulation(config_from_dict(base_config(
+            duration_s=10, burn_in_s=0,
+            devices={"target": {"linear": {"base_ms": 10.0}}, "draft": {"linear": {"base_ms": 1.0, "per_token_ms": 1.0}}},
+            speculation={"k": 3, "acceptance": [1.0], "draft_shares_kv": shares},
+            workload={"arrival": "closed", "num_clients": 1, "num_requests_per_client": 1, "prompt_tokens": 10,
+                      "output_tokens": 21})))
+        (request,) = sim.run().requests
+        return request
+
+    fed, shared = one(False), one(True)
+    assert (shared.num_rounds, shared.num_output_tokens) == (fed.num_rounds, 21) == (5, 21)
+    assert (fed.e2e_s - shared.e2e_s) * 1e3 == pytest.approx(10.0 + 4 * 1.0, abs=1e-6)
