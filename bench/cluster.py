@@ -123,6 +123,16 @@ def in_process(verifier: TargetVerifier, drafter, ids: list[int], k: int = 0, pl
             "draft_ms_per_round": result.stats.draft_ms / rounds, "verify_ms_per_round": result.stats.verify_ms / rounds}
 
 
+def default_pair(threads: int = THREADS):
+    """The default model's folder, tokenizer, fp32 target verifier and bf16 engine (its self-draft's), on `threads`."""
+    from transformers import AutoTokenizer
+
+    folder = str(resolve_model_spec("default"))
+    torch.set_num_threads(threads)
+    return folder, AutoTokenizer.from_pretrained(folder), TargetVerifier(load_engine(folder, dtype="float32")), \
+        load_engine(folder, dtype="bfloat16")
+
+
 def overhead(addresses: dict[str, str], folder: str, tokenizer) -> list[dict]:
     torch.set_num_threads(THREADS)
     verifier = TargetVerifier(load_engine(folder, dtype="float32"))

@@ -26,21 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cluster import PROMPTS, in_process, through_cluster  # noqa: E402
+from cluster import PROMPTS, default_pair, in_process, through_cluster  # noqa: E402
 
 from client.cluster import Cluster, free_ports  # noqa: E402
-from specmesh.decoding.verifier import TargetVerifier  # noqa: E402
 from specmesh.drafters.model import self_draft  # noqa: E402
 from specmesh.models.chat import chat_prompt_ids  # noqa: E402
-from specmesh.models.load import load_engine  # noqa: E402
-from specmesh.models.resolve import resolve_model_spec  # noqa: E402
 from specmesh.proto.v1 import coordinator_pb2  # noqa: E402
 
 REPEATS = int(os.environ.get("SPECMESH_BENCH_REPEATS", "2"))
@@ -79,13 +75,7 @@ def config(folder: str) -> dict:
 
 
 def main() -> None:
-    folder = str(resolve_model_spec("default"))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    torch.set_num_threads(2)
-    verifier = TargetVerifier(load_engine(folder, dtype="float32"))
-    bf16 = load_engine(folder, dtype="bfloat16")
+    folder, tokenizer, verifier, bf16 = default_pair(2)
     runs: dict[str, list[dict]] = {name: [] for name in ROWS}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "cluster.yaml"
