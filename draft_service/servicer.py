@@ -38,6 +38,7 @@ import torch
 
 from draft_service.convert import propose_response
 from draft_service.options import DraftOptions
+from servicekit.auth import current_principal
 from servicekit.batching import WindowBatcher
 from servicekit.convert import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -273,8 +274,13 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             if len(self._kv_sources) >= MAX_KV_SOURCES:  # replicas gone: their sessions keep their own mapping alive
                 self._kv_sources.pop(next(iter(self._kv_sources)))
             self._kv_sources[region.key] = attach(region, self.model_folder, self.engine.cache.k.shape)
-        source = self._kv_sources[region.key]
-        return (source, list(pb.blocks), pb.length) if source is not None else None
+        source, blocks = self._kv_sources[region.key], list(pb.blocks)
+        if source is None:
+            return None
+        if not source.vouched(current_principal(), blocks, pb.length, pb.tag):
+            log.warning("ignoring a target_kv its Verify service did not tag for this caller; the session feeds its context")
+            return None
+        return source, blocks, pb.length
 
     def _encoder_input(self, encoder_input_ids: Sequence[int]) -> list[int]:
         """A request's encoder input, validated: required by a model drafter on an encoder-decoder model,

@@ -43,7 +43,7 @@ def build_fused_drafter(options: VerifyOptions, target=None, target_folder: str 
 
 
 def share_kv(options: VerifyOptions, engine, folder: str):
-    """The target's KV cache moved into shared memory for a Draft service on this host
+    """The target's KV cache moved into shared memory for a Draft service on this host, and the region's key
     (`specmesh.kv.shared`; answers then carry `target_kv`): CPU native engines, with `share_kv` on."""
     from specmesh.kv.shared import share_cache
     from specmesh.models.encdec import is_encoder_decoder

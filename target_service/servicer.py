@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
+from servicekit.auth import current_principal
 from servicekit.convert import (
     FINISH_TO_PB,
     check_draft_has_q,
@@ -41,7 +42,7 @@ from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import SpeculationState, draft_seed
 from specmesh.decoding.verifier import TargetSession, TargetVerifier, validate_prompt
 from specmesh.drafters.model import ModelDrafter
-from specmesh.kv.shared import KvRegion
+from specmesh.kv.shared import KvRegion, kv_tag
 from specmesh.models.encdec import bind_encoder_input, is_encoder_decoder, validate_encoder_input
 from specmesh.models.engine import ContextLengthError
 from specmesh.proto.v1 import common_pb2, verify_pb2, verify_pb2_grpc
@@ -59,7 +60,7 @@ SOLO_ROUNDS = 16  # rounds a lone stream (Generate, target-only Run) runs per en
 
 class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     def __init__(self, options: VerifyOptions, engine, model_folder: str, metrics: ServiceMetrics, fused_drafter=None,
-                 engine_thread: EngineThread | None = None, kv_region: KvRegion | None = None):
+                 engine_thread: EngineThread | None = None, kv_region: tuple[KvRegion, bytes] | None = None):
         super().__init__("verify", options.session_ttl_s, metrics, options, engine_thread)
         self.options = options
         self.engine = engine
@@ -68,7 +69,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         metrics.watch_kv(engine.kv_usage)
         metrics.watch_engine(lambda: engine.stats)
         self.fused_drafter = fused_drafter
-        self.kv_region = kv_region_pb(kv_region) if kv_region is not None else None  # the KV shared in memory (server.share_kv)
+        # the KV shared in memory and its key (server.share_kv)
+        self.kv_region, self._kv_key = (kv_region_pb(kv_region[0]), kv_region[1]) if kv_region is not None else (None, b"")
         self._generating = 0  # Generate streams in progress: callers of the batcher without a session id
         self._running = 0  # sessions inside a Run stream (their rounds stepped here, no client drafting for them)
         if options.borrow_threads > 0 or self.engine_thread.core_share is not None:
@@ -108,7 +110,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             state.k_policy.prior_costs(getattr(self.fused_drafter, "ms_per_token", None), self.engine.stats.step_ms,
                                        0.0 if self._fused_shares_kv else None, forward_cost=self.verifier.forward_cost())
         state.start(target.pending_token_id)
-        return VerifySession(target, state, seed, encoder_input_ids=list(encoder_input_ids))
+        return VerifySession(target, state, seed, encoder_input_ids=list(encoder_input_ids), principal=current_principal())
 
     def _encoder_input(self, encoder_input_ids: Sequence[int]) -> list[int]:
         """A request's encoder input, validated: required by an encoder-decoder target, refused by a
@@ -247,9 +249,11 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         if self.kv_region is None or target.group is not None or session.encoder_input_ids:
             return
         size = self.engine.cache.block_size
+        blocks = self.engine.cache.blocks.block_table(target.seq_id)[: -(-target.num_cached // size)]
         target_kv.region.CopyFrom(self.kv_region)
-        target_kv.blocks[:] = self.engine.cache.blocks.block_table(target.seq_id)[: -(-target.num_cached // size)]
+        target_kv.blocks[:] = blocks
         target_kv.length = target.num_cached
+        target_kv.tag = kv_tag(self._kv_key, session.principal, blocks, target.num_cached)
 
     # RPCs
     @rpc_method

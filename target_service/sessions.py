@@ -28,3 +28,4 @@ class VerifySession:
     fused: FusedDraft | None = None
     rounds: RoundLog = field(default_factory=RoundLog)  # Verify / Step rounds applied (safe resends)
     encoder_input_ids: list[int] = field(default_factory=list)  # encoder-decoder targets: the session's encoder input
+    principal: str = ""  # who opened it (a shared KV's tag names it: specmesh.kv.shared.kv_tag)

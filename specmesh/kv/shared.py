@@ -11,6 +11,11 @@ through `/proc/<pid>/fd/<fd>` (read only by convention: it never writes there) a
 told which blocks hold the context and how many positions are final (`TargetKv`, carried by the
 Coordinator from each Verify answer to the next Propose).
 
+Only a process that can map the file can vouch for a block table: the file starts with a random key
+(`HEADER_BYTES`, K and V after it), and each `TargetKv` carries a tag of the blocks, the length and the
+principal the session belongs to, keyed with it (`kv_tag`). A Draft service checks the tag for the
+principal calling it, so a caller cannot point its drafts at rows of another principal's context.
+
 What may go wrong, and why it cannot change the output:
 - A region that cannot be mapped (another host, a container of its own, another model, other shapes)
   is refused: the session feeds its context as before (`attach` returns None and says why once).
@@ -22,8 +27,12 @@ What may go wrong, and why it cannot change the output:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +40,9 @@ import torch
 from specmesh.kv.cache import PagedKVCache
 
 log = logging.getLogger(__name__)
+HEADER_BYTES = 4096  # the file's first page: the region's key (KEY_BYTES), then nothing; K and V start after it
+KEY_BYTES = 32
+TAG_BYTES = 16
 DTYPES = {str(t): t for t in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -62,25 +74,36 @@ class KvRegion:
         return self.boot_id, self.pid, self.fd, self.inode, self.device
 
 
-def share_cache(cache: PagedKVCache, model: str) -> KvRegion:
-    """Move `cache`'s K and V into a shared memory file (their contents kept) and describe it. CPU caches only;
-    call before forwards capture the tensors (the CPU fast path reads their addresses at each call)."""
+def share_cache(cache: PagedKVCache, model: str) -> tuple[KvRegion, bytes]:
+    """Move `cache`'s K and V into a shared memory file (their contents kept) and describe it: (the region, its
+    key for `kv_tag`). CPU caches only; call before forwards capture the tensors (the CPU fast path reads their
+    addresses at each call)."""
     if cache.k.device.type != "cpu":
         raise ValueError(f"only a CPU cache can be shared between processes, not one on {cache.k.device}")
     if str(cache.k.dtype) not in DTYPES:
         raise ValueError(f"a shared cache holds floating point keys, not {cache.k.dtype}")
-    shape, count = tuple(cache.k.shape), cache.k.numel()
+    shape, count, size = tuple(cache.k.shape), cache.k.numel(), cache.k.element_size()
     fd = os.memfd_create("specmesh-kv", os.MFD_CLOEXEC)
-    os.ftruncate(fd, 2 * count * cache.k.element_size())
-    both = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=2 * count, dtype=cache.k.dtype)
-    k, v = both[:count].view(shape), both[count:].view(shape)
+    os.ftruncate(fd, HEADER_BYTES + 2 * count * size)
+    key = os.urandom(KEY_BYTES)
+    os.pwrite(fd, key, 0)
+    head = HEADER_BYTES // size
+    both = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=head + 2 * count, dtype=cache.k.dtype)
+    k, v = both[head:head + count].view(shape), both[head + count:].view(shape)
     if cache.blocks.num_free_blocks < cache.blocks.num_blocks:  # live sequences (else nothing to keep: the file's
         k.copy_(cache.k)  # pages stay untouched, so unused, until tokens are written)
         v.copy_(cache.v)
     cache.k, cache.v = k, v
     stat = os.fstat(fd)  # the descriptor stays open for the process's life: readers open it by /proc path
-    return KvRegion(os.getpid(), fd, stat.st_ino, stat.st_dev, boot_id(), shape, str(cache.k.dtype), cache.block_size,
-                    os.path.realpath(model))
+    region = KvRegion(os.getpid(), fd, stat.st_ino, stat.st_dev, boot_id(), shape, str(cache.k.dtype), cache.block_size,
+                      os.path.realpath(model))
+    return region, key
+
+
+def kv_tag(key: bytes, principal: str, blocks: Sequence[int], length: int) -> bytes:
+    """What vouches that `blocks` and `length` are where a session of `principal` lies (module docstring)."""
+    message = principal.encode() + b"\0" + struct.pack(f"<{len(blocks) + 1}I", length, *blocks)
+    return hmac.new(key, message, hashlib.sha256).digest()[:TAG_BYTES]
 
 
 class AttachedKV:
@@ -89,9 +112,10 @@ class AttachedKV:
     Each session that takes KV from it is a key here, with the writer's block table for the session and
     how many of its positions are final (`set`, before each proposal)."""
 
-    def __init__(self, region: KvRegion, k: torch.Tensor, v: torch.Tensor):
+    def __init__(self, region: KvRegion, k: torch.Tensor, v: torch.Tensor, key: bytes):
         self.region = region
         self.k, self.v = k, v
+        self.key = key
         self.block_size = region.block_size
         self._tables: dict[int, tuple[list[int], int]] = {}
         self._offsets = torch.arange(region.block_size)
@@ -107,6 +131,10 @@ class AttachedKV:
         if any(not 0 <= b < num_slots for b in blocks):
             raise ValueError(f"a block id is outside the shared cache's {num_slots} blocks")
         self._tables[key] = (blocks, length)
+
+    def vouched(self, principal: str, blocks: Sequence[int], length: int, tag: bytes) -> bool:
+        """Whether the writer tagged this block table for a session of `principal` (`kv_tag`)."""
+        return hmac.compare_digest(kv_tag(self.key, principal, blocks, length), tag)
 
     def forget(self, key: int) -> None:
         self._tables.pop(key, None)
@@ -131,11 +159,14 @@ def attach(region: KvRegion, model: str, k_shape: torch.Size) -> AttachedKV | No
             if (stat.st_ino, stat.st_dev) != (region.inode, region.device):
                 why = f"{path} is not the file the Verify service named"
             else:
-                count = 1
+                dtype, count = DTYPES[region.dtype], 1
                 for n in region.shape:
                     count *= n
-                both = torch.from_file(path, shared=True, size=2 * count, dtype=DTYPES[region.dtype])
-                return AttachedKV(region, both[:count].view(region.shape), both[count:].view(region.shape))
+                head = HEADER_BYTES // torch.empty((), dtype=dtype).element_size()
+                both = torch.from_file(path, shared=True, size=head + 2 * count, dtype=dtype)
+                with open(path, "rb") as f:
+                    key = f.read(KEY_BYTES)
+                return AttachedKV(region, both[head:head + count].view(region.shape), both[head + count:].view(region.shape), key)
         except (OSError, RuntimeError) as exc:
             why = f"cannot map {path}: {exc}"
     log.info("not taking the target's KV from its shared cache: %s; drafts feed their context", why)

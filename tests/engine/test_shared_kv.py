@@ -15,7 +15,7 @@ import torch
 
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.drafters.model import ModelDrafter
-from specmesh.kv.shared import attach, share_cache
+from specmesh.kv.shared import attach, kv_tag, share_cache
 from specmesh.models.engine import SeqInput
 from specmesh.models.load import load_engine
 
@@ -30,8 +30,8 @@ def model_dir(tiny_model_dir):
 @pytest.fixture()
 def shared_target(model_dir):
     target = load_engine(model_dir, dtype="float32")
-    region = share_cache(target.cache, str(model_dir))
-    return target, region
+    region, key = share_cache(target.cache, str(model_dir))
+    return target, region, key
 
 
 def _filled(target, prompt=PROMPT):
@@ -41,7 +41,7 @@ def _filled(target, prompt=PROMPT):
 
 
 def test_a_shared_cache_computes_what_a_private_one_does(model_dir, shared_target):
-    target, _ = shared_target
+    target, _, _ = shared_target
     private = load_engine(model_dir, dtype="float32")
     (seq, shared_logits), (other, private_logits) = _filled(target), _filled(private)
     assert torch.equal(shared_logits[0], private_logits[0])
@@ -50,7 +50,7 @@ def test_a_shared_cache_computes_what_a_private_one_does(model_dir, shared_targe
 
 
 def test_a_mapping_reads_the_targets_rows(model_dir, shared_target):
-    target, region = shared_target
+    target, region, key = shared_target
     seq, _ = _filled(target)
     mapped = attach(region, str(model_dir), target.cache.k.shape)
     assert mapped is not None
@@ -67,8 +67,23 @@ def test_a_mapping_reads_the_targets_rows(model_dir, shared_target):
         mapped.set(7, blocks[:1], len(PROMPT))
 
 
+def test_only_the_writers_tag_vouches_for_a_block_table(model_dir, shared_target):
+    """The mapping reads the writer's key from the file; a tag made for another principal, other blocks or
+    another length, or with another key, vouches for nothing."""
+    target, region, key = shared_target
+    mapped = attach(region, str(model_dir), target.cache.k.shape)
+    assert mapped is not None and mapped.key == key and len(key) == 32
+    tag = kv_tag(key, "alice", [3, 4], 20)
+    assert mapped.vouched("alice", [3, 4], 20, tag)
+    assert not mapped.vouched("bob", [3, 4], 20, tag)
+    assert not mapped.vouched("alice", [3, 5], 20, tag)
+    assert not mapped.vouched("alice", [3, 4], 21, tag)
+    assert not mapped.vouched("alice", [3, 4], 20, kv_tag(bytes(32), "alice", [3, 4], 20))
+    assert not mapped.vouched("alice", [3, 4], 20, b"")
+
+
 def test_another_process_maps_the_same_memory(model_dir, shared_target):
-    target, region = shared_target
+    target, region, key = shared_target
     seq, _ = _filled(target)
     slot = int(target.cache.slot_tensor(seq)[3])
     code = (
@@ -83,7 +98,7 @@ def test_another_process_maps_the_same_memory(model_dir, shared_target):
 
 
 def test_refused_where_it_cannot_serve(model_dir, tiny_model_dir, shared_target, caplog):
-    target, region = shared_target
+    target, region, key = shared_target
     shape = target.cache.k.shape
     caplog.set_level(logging.INFO, logger="specmesh.kv.shared")
     assert attach(dataclasses.replace(region, boot_id="another-host"), str(model_dir), shape) is None
@@ -98,7 +113,7 @@ def test_refused_where_it_cannot_serve(model_dir, tiny_model_dir, shared_target,
                                     SamplingParams(temperature=0.8, top_k=0, seed=3, ignore_eos=True, max_new_tokens=20)],
                          ids=["greedy", "seeded"])
 def test_a_draft_taking_the_mapping_proposes_what_one_taking_the_engine_does(model_dir, shared_target, params):
-    target, region = shared_target
+    target, region, key = shared_target
     seq, _ = _filled(target)
     mapped = attach(region, str(model_dir), target.cache.k.shape)
     assert mapped is not None

@@ -48,6 +48,7 @@ def services(target, tiny_model_dir):
                 model=target, port=0, draft_addresses=f"127.0.0.1:{draft.port}",
                 verify_addresses=f"127.0.0.1:{verifies[share].port}")))
             out[name] = (f"127.0.0.1:{coordinator.port}", draft.servicer)
+            out[f"{name} ports"] = (draft.port, verifies[share].port)
         yield out
     finally:
         running.close()
@@ -106,3 +107,34 @@ def test_the_draft_proposes_what_the_in_process_self_draft_does(services, target
                       SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=40), k_policy=FixedK(4))
     assert last.stats.num_target_forwards == result.stats.num_target_forwards
     assert last.stats.num_accepted_tokens == result.stats.num_accepted_tokens
+
+
+def test_a_block_table_its_verify_service_did_not_tag_is_ignored(services, target):
+    """A Propose whose target_kv names the right blocks but carries another tag (a caller pointing a draft at
+    rows it was not given) copies nothing; the genuine one is copied from."""
+    from servicekit.channels import open_channel
+    from specmesh.proto.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
+
+    _, servicer = services["shared"]
+    draft_port, verify_port = services["shared ports"]
+    prompt = _prompt_ids(target)
+    greedy = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=8)
+
+    async def propose(forge: bool) -> int:
+        async with open_channel(f"127.0.0.1:{verify_port}") as v, open_channel(f"127.0.0.1:{draft_port}") as d:
+            verify, draft = verify_pb2_grpc.VerifyServiceStub(v), draft_pb2_grpc.DraftServiceStub(d)
+            opened = await verify.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=prompt, sampling=greedy))
+            target_kv = opened.target_kv
+            assert target_kv.length == len(prompt) and len(target_kv.tag) == 16
+            if forge:
+                target_kv.tag = bytes(16)
+            session = await draft.OpenSession(draft_pb2.DraftOpenSessionRequest(prompt_token_ids=prompt, sampling=greedy))
+            before = _taken(servicer)
+            await draft.Propose(draft_pb2.ProposeRequest(session_id=session.session_id, num_draft_tokens=3,
+                                                         accepted_token_ids=[opened.first_token_id], target_kv=target_kv))
+            await draft.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=session.session_id))
+            await verify.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id))
+            return _taken(servicer) - before
+
+    assert asyncio.run(asyncio.wait_for(propose(forge=True), TIMEOUT_S)) == 0
+    assert asyncio.run(asyncio.wait_for(propose(forge=False), TIMEOUT_S)) == len(prompt)

@@ -599,7 +599,10 @@ class TargetKv(_message.Message):
     REGION_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
+    TAG_FIELD_NUMBER: _builtins.int
     length: _builtins.int
+    tag: _builtins.bytes
+    """vouches for blocks and length for the session's principal, keyed with the region's"""
     @_builtins.property
     def region(self) -> Global___KvRegion: ...
     @_builtins.property
@@ -610,10 +613,11 @@ class TargetKv(_message.Message):
         region: Global___KvRegion | None = ...,
         blocks: _abc.Iterable[_builtins.int] | None = ...,
         length: _builtins.int = ...,
+        tag: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "length", b"length", "region", b"region"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "length", b"length", "region", b"region", "tag", b"tag"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
