@@ -14,6 +14,18 @@ import torch
 from specmesh.kv.block_manager import AppendPlan, BlockManager
 
 
+def block_slots(blocks: Sequence[int], offsets: torch.Tensor, length: int) -> torch.Tensor:
+    """Slots of a sequence's first `length` positions, its `blocks` of `len(offsets)` slots each
+    (`offsets`: arange of the block size, on the cache's device), as a long tensor there."""
+    table = torch.tensor(blocks, dtype=torch.long, device=offsets.device)
+    return (table[:, None] * len(offsets) + offsets).view(-1)[:length]
+
+
+def rows_fit(shape: Sequence[int], other: Sequence[int]) -> bool:
+    """Whether two caches' K (or V) tensors, [layers, slots, kv heads, head dim], hold rows of one shape."""
+    return shape[0] == other[0] and tuple(shape[2:]) == tuple(other[2:])
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -56,8 +68,7 @@ class PagedKVCache:
     def slot_tensor(self, seq_id: int, length: int | None = None) -> torch.Tensor:
         """Slots of the first `length` tokens (default: all) as a long tensor on the cache's device."""
         length = self.blocks.length(seq_id) if length is None else length
-        table = torch.tensor(self.blocks.block_table(seq_id), dtype=torch.long, device=self.k.device)
-        return (table[:, None] * self.block_size + self._block_offsets).view(-1)[:length]
+        return block_slots(self.blocks.block_table(seq_id), self._block_offsets, length)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim] stored at `slots` [num_tokens]."""

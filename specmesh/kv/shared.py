@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh.kv.cache import PagedKVCache
+from specmesh.kv.cache import PagedKVCache, block_slots, rows_fit
 
 log = logging.getLogger(__name__)
 HEADER_BYTES = 4096  # the file's first page: the region's key (KEY_BYTES), then nothing; K and V start after it
@@ -143,9 +143,7 @@ class AttachedKV:
         return self._tables[key][1] if key in self._tables else 0
 
     def slot_tensor(self, key: int, length: int) -> torch.Tensor:
-        blocks, _ = self._tables[key]
-        table = torch.tensor(blocks, dtype=torch.long)
-        return (table[:, None] * self.block_size + self._offsets).view(-1)[:length]
+        return block_slots(self._tables[key][0], self._offsets, length)
 
 
 def attach(region: KvRegion, model: str, k_shape: torch.Size) -> AttachedKV | None:
@@ -180,6 +178,6 @@ def _unusable(region: KvRegion, model: str, k_shape: torch.Size) -> str | None:
         return f"a malformed region ({region.dtype}, shape {list(region.shape)}, block size {region.block_size})"
     if region.model != os.path.realpath(model):
         return f"the target's model is {region.model}, this draft's {os.path.realpath(model)}"
-    if region.shape[0] != k_shape[0] or tuple(region.shape[2:]) != tuple(k_shape[2:]):
+    if not rows_fit(region.shape, k_shape):
         return f"its K rows {list(region.shape)} do not fit this cache's {list(k_shape)}"
     return None

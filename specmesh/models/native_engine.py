@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specmesh.kv.cache import PagedKVCache
+from specmesh.kv.cache import PagedKVCache, rows_fit
 from specmesh.kv.shared import AttachedKV
 from specmesh.models import fastpath, graphs
 from specmesh.models.engine import (
@@ -158,7 +158,7 @@ class NativeEngine:
         forward of the same weights at a higher precision wrote them; `ModelDrafter`'s `kv_source`), or
         such an engine's cache in another process (`specmesh.kv.shared`)."""
         src_k, dst_k = source.cache.k, self.cache.k
-        if src_k.shape[0] != dst_k.shape[0] or src_k.shape[2:] != dst_k.shape[2:]:
+        if not rows_fit(src_k.shape, dst_k.shape):
             raise ValueError(f"KV of [layers, ., kv heads, head dim] {list(src_k.shape)} does not fit {list(dst_k.shape)}")
         start, available = self.seq_len(seq_id), source.seq_len(source_seq_id)
         if not start <= end <= available:
