@@ -94,12 +94,22 @@ class DraftSession:
 
 
 @dataclass
+class SharedTable:
+    """A Propose's target_kv, vouched for: the mapped cache, the session's blocks there, their epochs, its length."""
+
+    source: AttachedKV
+    blocks: list[int]
+    epochs: list[int]
+    length: int
+
+
+@dataclass
 class ProposeCall:
     session: DraftSession
     accepted: list[int]
     k: int
     q_dtype: torch.dtype
-    target_kv: tuple[AttachedKV, list[int], int] | None = None  # the target's shared cache, the session's blocks, length
+    target_kv: SharedTable | None = None  # where the target's shared cache holds the session's context
 
 
 @dataclass
@@ -232,7 +242,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         proposals: dict[int, DraftProposal] = {}
         for call in calls:
             if call.target_kv is not None:
-                self._share_kv(call.session, *call.target_kv)
+                self._share_kv(call.session, call.target_kv)
         try:
             by_dtype = itertools.groupby(sorted(range(len(calls)), key=lambda i: str(calls[i].q_dtype)),
                                          key=lambda i: calls[i].q_dtype)
@@ -249,24 +259,21 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         self.metrics.forwards.inc()
         return [ProposeResult(proposals[i], draft_ms, len(calls)) for i in range(len(calls))]
 
-    def _share_kv(self, session: DraftSession, source: AttachedKV, blocks: list[int], length: int) -> None:
-        """Engine thread: the session's target context lies at `blocks` of `source` (its first `length` positions
-        final); the next proposal copies from there what it was not fed (`ModelDrafter.share_kv`)."""
-        state = session.state
+    def _share_kv(self, session: DraftSession, table: SharedTable) -> None:
+        """Engine thread: the session's target context lies at `table` (its first `length` positions final);
+        the next proposal copies from there what it was not fed (`ModelDrafter.share_kv`)."""
+        state, source = session.state, table.source
         key = state.seq_id
-        try:
-            source.set(key, blocks, length)
-        except ValueError as exc:
-            log.warning("ignoring a malformed target_kv: %s", exc)
-            return
+        source.set(key, table.blocks, table.length, table.epochs)  # (checked by `vouch`)
         if state.kv_source is not source:
             if isinstance(state.kv_source, AttachedKV):  # the target session failed over to another replica
                 state.kv_source.forget(key)
             self.drafter.share_kv(state, key, source)
 
-    def _target_kv(self, session: DraftSession, pb: common_pb2.TargetKv) -> tuple[AttachedKV, list[int], int] | None:
+    def _target_kv(self, session: DraftSession, pb: common_pb2.TargetKv) -> SharedTable | None:
         """A Propose's target_kv, where this service can take KV from it: a model drafter on a native engine, a
-        decoder-only session, a cache this process could map (`specmesh.kv.shared.attach`, once per region)."""
+        decoder-only session, a cache this process could map (`specmesh.kv.shared.attach`, once per region),
+        a table its writer tagged for this caller and whose blocks are still the session's."""
         if not (session.draft_ahead and isinstance(self.drafter, ModelDrafter) and isinstance(self.engine, NativeEngine)):
             return None
         region = kv_region_from_pb(pb.region)
@@ -277,10 +284,16 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         source, blocks = self._kv_sources[region.key], list(pb.blocks)
         if source is None:
             return None
-        if not source.vouched(current_principal(), blocks, pb.length, pb.tag):
-            log.warning("ignoring a target_kv its Verify service did not tag for this caller; the session feeds its context")
+        try:
+            epochs = source.vouch(current_principal(), blocks, pb.length, pb.tag)
+        except ValueError as exc:
+            log.warning("ignoring a malformed target_kv: %s", exc)
             return None
-        return source, blocks, pb.length
+        if epochs is None:
+            log.warning("ignoring a target_kv its Verify service did not tag for this caller, or whose blocks it has "
+                        "released since; the session feeds its context")
+            return None
+        return SharedTable(source, blocks, epochs, pb.length)
 
     def _encoder_input(self, encoder_input_ids: Sequence[int]) -> list[int]:
         """A request's encoder input, validated: required by a model drafter on an encoder-decoder model,

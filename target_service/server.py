@@ -43,8 +43,8 @@ def build_fused_drafter(options: VerifyOptions, target=None, target_folder: str 
 
 
 def share_kv(options: VerifyOptions, engine, folder: str):
-    """The target's KV cache moved into shared memory for a Draft service on this host, and the region's key
-    (`specmesh.kv.shared`; answers then carry `target_kv`): CPU native engines, with `share_kv` on."""
+    """The target's KV cache moved into shared memory for a Draft service on this host (`specmesh.kv.shared`;
+    answers then carry `target_kv`): CPU native engines, with `share_kv` on."""
     from specmesh.kv.shared import share_cache
     from specmesh.models.encdec import is_encoder_decoder
     from specmesh.models.native_engine import NativeEngine
@@ -60,9 +60,9 @@ async def create_server(options: VerifyOptions) -> tuple[ServiceHandle, int]:
     engine_thread.core_share = core_share_from(options)
     single_threaded_here()
     engine, folder = await engine_thread.run(load_service_engine, options)
-    region = await engine_thread.run(share_kv, options, engine, folder)
+    shared = await engine_thread.run(share_kv, options, engine, folder)
     fused = await engine_thread.run(build_fused_drafter, options, engine, folder)
-    servicer = VerifyServicer(options, engine, folder, metrics, fused, engine_thread, kv_region=region)
+    servicer = VerifyServicer(options, engine, folder, metrics, fused, engine_thread, shared_kv=shared)
     servicer.sessions.start_reaper(options.reaper_interval_s)
     handle = await start_service(options, metrics, servicer, [(verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE_NAME)],
                                  on_stop=[servicer.shutdown])

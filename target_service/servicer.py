@@ -42,7 +42,7 @@ from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import SpeculationState, draft_seed
 from specmesh.decoding.verifier import TargetSession, TargetVerifier, validate_prompt
 from specmesh.drafters.model import ModelDrafter
-from specmesh.kv.shared import KvRegion, kv_tag
+from specmesh.kv.shared import SharedCache
 from specmesh.models.encdec import bind_encoder_input, is_encoder_decoder, validate_encoder_input
 from specmesh.models.engine import ContextLengthError
 from specmesh.proto.v1 import common_pb2, verify_pb2, verify_pb2_grpc
@@ -60,7 +60,7 @@ SOLO_ROUNDS = 16  # rounds a lone stream (Generate, target-only Run) runs per en
 
 class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     def __init__(self, options: VerifyOptions, engine, model_folder: str, metrics: ServiceMetrics, fused_drafter=None,
-                 engine_thread: EngineThread | None = None, kv_region: tuple[KvRegion, bytes] | None = None):
+                 engine_thread: EngineThread | None = None, shared_kv: SharedCache | None = None):
         super().__init__("verify", options.session_ttl_s, metrics, options, engine_thread)
         self.options = options
         self.engine = engine
@@ -69,8 +69,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         metrics.watch_kv(engine.kv_usage)
         metrics.watch_engine(lambda: engine.stats)
         self.fused_drafter = fused_drafter
-        # the KV shared in memory and its key (server.share_kv)
-        self.kv_region, self._kv_key = (kv_region_pb(kv_region[0]), kv_region[1]) if kv_region is not None else (None, b"")
+        self.shared_kv = shared_kv  # the KV in shared memory (server.share_kv), and where it lies (answers name it)
+        self.kv_region = kv_region_pb(shared_kv.region) if shared_kv is not None else None
         self._generating = 0  # Generate streams in progress: callers of the batcher without a session id
         self._running = 0  # sessions inside a Run stream (their rounds stepped here, no client drafting for them)
         if options.borrow_threads > 0 or self.engine_thread.core_share is not None:
@@ -246,14 +246,14 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         """Where the session's KV lies in the shared cache, for a Draft service on this host (its next Propose):
         only a session with a sequence of its own (not a skeleton's shared layout) in a shared cache."""
         target = session.target
-        if self.kv_region is None or target.group is not None or session.encoder_input_ids:
+        if self.shared_kv is None or self.kv_region is None or target.group is not None or session.encoder_input_ids:
             return
         size = self.engine.cache.block_size
         blocks = self.engine.cache.blocks.block_table(target.seq_id)[: -(-target.num_cached // size)]
         target_kv.region.CopyFrom(self.kv_region)
         target_kv.blocks[:] = blocks
         target_kv.length = target.num_cached
-        target_kv.tag = kv_tag(self._kv_key, session.principal, blocks, target.num_cached)
+        target_kv.tag = self.shared_kv.tag(session.principal, blocks, target.num_cached)
 
     # RPCs
     @rpc_method

@@ -156,6 +156,9 @@ class ModelDrafter:
         take = min(len(state.pending) - 1, source.seq_len(state.kv_from) - cached)
         if take > 0:
             engine.import_kv(state.seq_id, source, state.kv_from, cached + take)
+            if isinstance(source, AttachedKV) and not source.intact(state.kv_from):  # a block went back to the
+                engine.truncate(state.seq_id, cached)  # writer's pool during the copy: its rows may be another's
+                return
             state.pending = state.pending[take:]
             self.kv_taken += take
 

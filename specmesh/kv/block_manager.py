@@ -32,6 +32,7 @@ Worked example (block_size 4):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specmesh.kv.errors import OutOfBlocksError
@@ -61,6 +62,8 @@ class BlockManager:
         self._free = deque(range(num_blocks))
         self._seqs: dict[int, _Sequence] = {}
         self._next_seq_id = 0
+        self.on_release: Callable[[int], None] | None = None  # told each block that goes back to the pool (its rows
+        # may be another sequence's next: a reader of a shared cache learns so, specmesh.kv.shared)
 
     @classmethod
     def from_memory_budget(cls, budget_bytes: int, bytes_per_token: int, block_size: int = 16) -> BlockManager:
@@ -196,3 +199,5 @@ class BlockManager:
         self._refcounts[block] -= 1
         if self._refcounts[block] == 0:
             self._free.appendleft(block)  # reused first: a rollback + re-append keeps the same blocks
+            if self.on_release is not None:
+                self.on_release(block)

@@ -109,9 +109,10 @@ def test_the_draft_proposes_what_the_in_process_self_draft_does(services, target
     assert last.stats.num_accepted_tokens == result.stats.num_accepted_tokens
 
 
-def test_a_block_table_its_verify_service_did_not_tag_is_ignored(services, target):
+def test_a_block_table_its_verify_service_did_not_tag_or_has_released_is_ignored(services, target):
     """A Propose whose target_kv names the right blocks but carries another tag (a caller pointing a draft at
-    rows it was not given) copies nothing; the genuine one is copied from."""
+    rows it was not given) copies nothing, nor does one of a session the Verify service closed, whose blocks
+    another session holds now (its tag was genuine); the genuine, live one is copied from."""
     from servicekit.channels import open_channel
     from specmesh.proto.v1 import draft_pb2, draft_pb2_grpc, verify_pb2, verify_pb2_grpc
 
@@ -120,21 +121,33 @@ def test_a_block_table_its_verify_service_did_not_tag_is_ignored(services, targe
     prompt = _prompt_ids(target)
     greedy = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=8)
 
-    async def propose(forge: bool) -> int:
+    async def propose(how: str) -> int:
         async with open_channel(f"127.0.0.1:{verify_port}") as v, open_channel(f"127.0.0.1:{draft_port}") as d:
             verify, draft = verify_pb2_grpc.VerifyServiceStub(v), draft_pb2_grpc.DraftServiceStub(d)
-            opened = await verify.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=prompt, sampling=greedy))
+
+            async def open_target(prompt_ids):
+                return await verify.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=prompt_ids, sampling=greedy))
+
+            async def close_target(opened):
+                await verify.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id))
+
+            opened = await open_target(prompt)
             target_kv = opened.target_kv
             assert target_kv.length == len(prompt) and len(target_kv.tag) == 16
-            if forge:
+            if how == "forged":
                 target_kv.tag = bytes(16)
+            if how == "stale":  # closed, and its blocks taken by the next session (freed blocks are reused first)
+                await close_target(opened)
+                opened = await open_target(prompt[::-1])
+                assert set(opened.target_kv.blocks) & set(target_kv.blocks)
             session = await draft.OpenSession(draft_pb2.DraftOpenSessionRequest(prompt_token_ids=prompt, sampling=greedy))
             before = _taken(servicer)
             await draft.Propose(draft_pb2.ProposeRequest(session_id=session.session_id, num_draft_tokens=3,
                                                          accepted_token_ids=[opened.first_token_id], target_kv=target_kv))
             await draft.CloseSession(draft_pb2.DraftCloseSessionRequest(session_id=session.session_id))
-            await verify.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id))
+            await close_target(opened)
             return _taken(servicer) - before
 
-    assert asyncio.run(asyncio.wait_for(propose(forge=True), TIMEOUT_S)) == 0
-    assert asyncio.run(asyncio.wait_for(propose(forge=False), TIMEOUT_S)) == len(prompt)
+    assert asyncio.run(asyncio.wait_for(propose("forged"), TIMEOUT_S)) == 0
+    assert asyncio.run(asyncio.wait_for(propose("stale"), TIMEOUT_S)) == 0
+    assert asyncio.run(asyncio.wait_for(propose("genuine"), TIMEOUT_S)) == len(prompt)

@@ -602,7 +602,7 @@ class TargetKv(_message.Message):
     TAG_FIELD_NUMBER: _builtins.int
     length: _builtins.int
     tag: _builtins.bytes
-    """vouches for blocks and length for the session's principal, keyed with the region's"""
+    """vouches for blocks (at their reuse counts, kept in the file) and length for the"""
     @_builtins.property
     def region(self) -> Global___KvRegion: ...
     @_builtins.property
