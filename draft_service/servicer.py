@@ -278,7 +278,10 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             return None
         region = kv_region_from_pb(pb.region)
         if region.key not in self._kv_sources:
-            if len(self._kv_sources) >= MAX_KV_SOURCES:  # replicas gone: their sessions keep their own mapping alive
+            for known, mapped in list(self._kv_sources.items()):  # a new region: a Verify replica (re)started, so
+                if mapped is not None and not mapped.writer_alive():  # unmap those whose writer exited (each keeps
+                    del self._kv_sources[known]  # a whole cache's memory alive; a session taking from one holds it)
+            if len(self._kv_sources) >= MAX_KV_SOURCES:
                 self._kv_sources.pop(next(iter(self._kv_sources)))
             self._kv_sources[region.key] = attach(region, self.model_folder, self.engine.cache.k.shape)
         source, blocks = self._kv_sources[region.key], list(pb.blocks)

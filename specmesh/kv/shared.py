@@ -201,6 +201,15 @@ class AttachedKV:
     def forget(self, key: int) -> None:
         self._tables.pop(key, None)
 
+    def writer_alive(self) -> bool:
+        """Whether the process that shares this cache still does (its descriptor names the same file): a mapping of
+        a writer that exited keeps the memory of its cache alive, and nothing will be written there again."""
+        try:
+            stat = os.stat(f"/proc/{self.region.pid}/fd/{self.region.fd}")
+        except OSError:
+            return False
+        return (stat.st_ino, stat.st_dev) == (self.region.inode, self.region.device)
+
     def seq_len(self, key: int) -> int:
         """Positions of session `key` there are to take: none once its table is stale."""
         return self._tables[key][1] if self.intact(key) else 0

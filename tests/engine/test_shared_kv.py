@@ -189,3 +189,15 @@ def test_a_draft_taking_the_mapping_proposes_what_one_taking_the_engine_does(mod
         assert engine.seq_len(state.seq_id) == len(PROMPT) + 4  # the prompt taken (but its last token), 5 fed
         drafts.append(proposal.token_ids)
     assert drafts[0] == drafts[1] and len(drafts[0]) == 5
+
+
+def test_a_mapping_knows_when_its_writer_is_gone(model_dir, shared_target):
+    """While the writer holds the file, its descriptor names it; once the writer exits (here: a descriptor
+    naming another file, or none), the mapping says so and its reader can drop it."""
+    target, region, _ = shared_target
+    mapped = attach(region, str(model_dir), target.cache.k.shape)
+    assert mapped is not None and mapped.writer_alive()
+    mapped.region = dataclasses.replace(region, inode=region.inode + 1)
+    assert not mapped.writer_alive()
+    mapped.region = dataclasses.replace(region, pid=2**22 + 12345)
+    assert not mapped.writer_alive()

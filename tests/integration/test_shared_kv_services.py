@@ -151,3 +151,19 @@ def test_a_block_table_its_verify_service_did_not_tag_or_has_released_is_ignored
     assert asyncio.run(asyncio.wait_for(propose("forged"), TIMEOUT_S)) == 0
     assert asyncio.run(asyncio.wait_for(propose("stale"), TIMEOUT_S)) == 0
     assert asyncio.run(asyncio.wait_for(propose("genuine"), TIMEOUT_S)) == len(prompt)
+
+
+def test_mappings_of_verify_services_that_exited_are_dropped(services, target):
+    """When a Propose names a region it has not mapped (a Verify replica started or restarted), the Draft
+    service unmaps the caches of writers that are gone: each holds a whole cache's memory."""
+    import dataclasses
+
+    address, servicer = services["shared"]
+    _run(address)  # the live Verify service's cache is mapped
+    (key, live), = [(k, m) for k, m in servicer._kv_sources.items() if m is not None]
+    gone = dataclasses.replace(live.region, pid=2**22 + 12345)
+    ghost = type(live)(gone, live.k, live.v, live.key, live.epochs)
+    servicer._kv_sources.clear()
+    servicer._kv_sources[gone.key] = ghost
+    _run(address)
+    assert gone.key not in servicer._kv_sources and servicer._kv_sources.get(key) is not None
