@@ -11,6 +11,10 @@ import torch
 # service processes) every OpenMP barrier waits for a descheduled sibling thread (measured: a tiny
 # decode step 16 ms with 2 threads, 0.4 ms with 1).
 torch.set_num_threads(1)
+# Long float32 prefills on the fast path, as tests expect (a machine measures where they go otherwise, once per
+# model shape: specmesh/models/fastpath.py, long_prefill_on_fast_path; tested on its own). Service processes
+# started by tests inherit it.
+os.environ.setdefault("SPECMESH_FASTPATH_PREFILL", "fast")
 
 
 def pytest_collection_modifyitems(config, items):

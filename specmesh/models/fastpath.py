@@ -11,7 +11,8 @@ multiply-adds with no horizontal sums: one row streams the weights at the memory
 sit beside the torch path's weights (long prefills use those): the fast path doubles a float32 model's memory.
 
 Used by `NativeEngine.forward` for a batch of at most `MAX_ROWS` new tokens (decode steps, verify chains and
-trees, a batch of sessions' rounds), and for short prefills (`serves`); longer forwards keep the torch path.
+trees, a batch of sessions' rounds), and for short prefills (`serves`) where it beats the torch path on this
+machine (`long_prefill_on_fast_path`); longer forwards keep the torch path.
 Each row's numbers do not depend on the other rows or on the thread count (fastpath.cpp says how), so a
 verify forward gives bit for bit what one-token steps would: speculative decoding equals plain decoding.
 Float rounding differs from the torch path's in the last bits, as oneDNN's differs from MKL's.
@@ -32,9 +33,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,6 +47,7 @@ from specmesh.models.rope import rope_tables
 
 SOURCE = Path(__file__).with_name("fastpath.cpp")
 ENV_FASTPATH = "SPECMESH_FASTPATH"  # "0": the torch path only
+ENV_PREFILL = "SPECMESH_FASTPATH_PREFILL"  # fast | torch: where long float32 prefills go (`long_prefill_on_fast_path`)
 MAX_ROWS = 32  # forwards of at most this many new tokens always take the fast path (decode, verify, batches)
 MAX_MEAN_KEYS = 64  # longer ones when their rows see at most this many keys on average (`serves`)
 STORAGE = (torch.float32, torch.bfloat16)  # model dtypes it serves: fastpath.cpp's `forward<float>`, `forward<bf16>`
@@ -120,6 +125,51 @@ def eligible(config, dtype: torch.dtype, device: torch.device, kernel: str, has_
     if c.num_heads % c.num_kv_heads:
         return False
     return library() is not None
+
+
+def long_prefill_on_fast_path(key: str, measure: Callable[[], tuple[float, float] | None]) -> bool:
+    """Whether float32 forwards of more than MAX_ROWS rows that `serves` takes (prefills of short prompts, alone
+    or batched) go to the fast path on this machine, or to the torch path's oneDNN matmuls. Which is faster
+    depends on the CPU: on an AVX2 VM the fast path (16 prompts' prefill 2.1-2.7 s against 2.8-3.5), on an
+    AVX-512 Xeon oneDNN's (16 prompts of 60 tokens 0.89 s against 1.47, one of 64 tokens 89 ms against 106).
+    So it is measured, once per machine and model shape (`key`), by `measure` -> (fast s, torch s), and
+    remembered under $SPECMESH_HOME/kernels: a machine keeps its choice, so its outputs stay reproducible
+    across restarts (`measure` -> None: it could not measure; the fast path, not remembered).
+    $SPECMESH_FASTPATH_PREFILL = fast | torch decides instead."""
+    forced = os.environ.get(ENV_PREFILL, "")
+    if forced in ("fast", "torch"):
+        return forced == "fast"
+    if forced:
+        raise ValueError(f"${ENV_PREFILL} must be fast or torch, not {forced!r}")
+    from specmesh.models.lowbit.kernel import cpu_flags
+    from specmesh.models.resolve import specmesh_home
+
+    key = hashlib.sha1(f"{key}|{cpu_flags()}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+    path = specmesh_home() / "kernels" / "long-prefill.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key] == "fast"
+    measured = measure()
+    if measured is None:
+        return True
+    fast_s, torch_s = measured
+    choice = "fast" if fast_s <= torch_s else "torch"
+    try:  # another process of this machine (a second replica, the Draft service) may have measured meanwhile:
+        known = json.loads(path.read_text())  # its choice stands, so processes of one machine agree
+    except (OSError, ValueError):
+        pass
+    choice = known.setdefault(key, choice)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps(known, indent=1, sort_keys=True))
+        staging.replace(path)
+    except OSError:
+        pass  # a read-only home: measured again by the next process
+    return choice == "fast"
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ Mask worked example (one sequence, cached 2, tree tokens [a, b, c] with parents 
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Sequence
 
@@ -128,6 +129,7 @@ class NativeEngine:
                                   scratch_blocks=graphs.scratch_blocks(block_size))
         self._windows = sorted(set(c.sliding_windows), key=lambda w: -1 if w is None else w)
         self._last_forward: dict[int, tuple[int, list[int] | None, int]] = {}  # seq -> (start, parents, num_new)
+        self._long_prefill_fast: bool | None = None  # float32 forwards past fastpath.MAX_ROWS rows: fast path? (`_fast_eligible`)
         self.split_attention = True  # decode rows attended apart from multi-token ones (`_splits`); off: one padded batch
         # decode rows and verify chains as replayed CUDA graphs (specmesh/models/graphs.py); off: every forward eager
         self.cuda_graphs = self.device.type == "cuda" and graphs.model_supported(model)
@@ -229,6 +231,9 @@ class NativeEngine:
                 item = batch[0]
                 batch, feed = [SeqInput(item.seq_id, [int(feed.reshape(()))], item.logits_at, item.parents, item.group)], None
         self._validate(batch)
+        if self._long_prefill_fast is None and self.model.fast is not None and self.dtype == torch.float32 \
+                and sum(len(item.token_ids) for item in batch) > fastpath.MAX_ROWS:
+            self._choose_long_prefill_path()  # once (before this forward's own timing and cache appends)
         begin = time.perf_counter()
         starts = [self.seq_len(item.seq_id) for item in batch]
         new_slots: list[int] = []
@@ -280,9 +285,40 @@ class NativeEngine:
         the grouped layout's mask leaves it."""
         if self.model.fast is None:
             return False
-        return fastpath.serves(num_tokens, sum(len(item.token_ids) * (start + (len(item.token_ids) + 1) // 2)
+        if not fastpath.serves(num_tokens, sum(len(item.token_ids) * (start + (len(item.token_ids) + 1) // 2)
                                                for item, start in zip(batch, starts)),  # a chain's rows see half its new keys
-                               self.dtype)
+                               self.dtype):
+            return False
+        return num_tokens <= fastpath.MAX_ROWS or self.dtype != torch.float32 or self._long_prefill_fast is not False
+
+    def _choose_long_prefill_path(self) -> None:
+        """Whether float32 forwards past fastpath.MAX_ROWS rows that the fast path serves take it on this machine
+        (`fastpath.long_prefill_on_fast_path`: measured once per machine and model shape, remembered)."""
+        c = self.model.config
+        shape = f"{c.num_layers}x{c.hidden_size}x{c.intermediate_size}x{c.num_heads}x{c.num_kv_heads}x{c.vocab_size}"
+        self._long_prefill_fast = fastpath.long_prefill_on_fast_path(shape, self._time_long_prefills)
+
+    def _time_long_prefills(self) -> tuple[float, float] | None:
+        """Seconds of a batch of short prefills (4 x 48 tokens) on the fast path and on the torch path, the best of
+        two each, on sequences of their own (freed after); None when the cache has no room for them."""
+        rows, num_seqs = 48, 4
+        if self.num_free_blocks < num_seqs * -(-rows // self.cache.block_size):
+            return None
+        stats, best = copy.deepcopy(self.stats), dict[bool, float]()  # (the engine's costs stay those of real forwards)
+        for fast in (True, False, True, False):
+            self._long_prefill_fast = fast
+            seqs = [self.new_sequence() for _ in range(num_seqs)]
+            start = time.perf_counter()
+            try:
+                self.forward([SeqInput(seq, [(7 * i + 3 * n) % self.vocab_size for i in range(rows)], [rows - 1])
+                              for n, seq in enumerate(seqs)])
+            finally:
+                for seq in seqs:
+                    self.free(seq)
+            best[fast] = min(best.get(fast, float("inf")), time.perf_counter() - start)
+        self._long_prefill_fast = None
+        vars(self.stats).update(vars(stats))
+        return best[True], best[False]
 
     def _fast_forward(self, batch: Sequence[SeqInput], starts: list[int], new_slots: list[int]) -> torch.Tensor:
         """fastpath.cpp's per-call layout (its header says it) for the batch, and the call."""

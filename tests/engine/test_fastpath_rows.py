@@ -153,3 +153,39 @@ def test_models_the_fast_path_does_not_serve_keep_the_torch_forward(tiny_model_d
     assert load_engine(path, dtype="float32", quantize="q8_0").model.fast is None  # low-bit: batch-invariant kernels
     monkeypatch.setenv(fastpath.ENV_FASTPATH, "0")
     assert load_engine(path, dtype="float32").model.fast is None
+
+
+def test_long_float32_prefills_go_where_this_machine_measured_them_faster(tiny_model_dir, monkeypatch, tmp_path):
+    """Past MAX_ROWS rows a float32 prefill takes the fast path or oneDNN's matmuls, whichever measured faster
+    here (once per machine and model shape, remembered under $SPECMESH_HOME): the next engine of that shape
+    measures nothing. Verify chains of up to MAX_ROWS rows stay on the fast path either way."""
+    monkeypatch.delenv(fastpath.ENV_PREFILL, raising=False)
+    monkeypatch.setenv("SPECMESH_HOME", str(tmp_path))
+    folder = tiny_model_dir("smollm2")
+    for torch_faster in (True, False):
+        timings: list[tuple[float, float]] = []
+        measured = (2.0, 1.0) if torch_faster else (1.0, 2.0)
+        for _ in range(2):
+            engine = load_engine(folder, dtype="float32", block_size=4)
+            monkeypatch.setattr(engine, "_time_long_prefills",
+                                lambda timings=timings, measured=measured: timings.append(measured) or measured)
+            calls: list[int] = []
+            monkeypatch.setattr(engine.model, "fast", lambda *args, calls=calls, fast=engine.model.fast:
+                                calls.append(args[2]) or fast(*args))
+            seq = engine.new_sequence()
+            engine.forward([SeqInput(seq, random_ids(engine.vocab_size, 40, seed=1), [39])])
+            engine.forward([SeqInput(seq, random_ids(engine.vocab_size, fastpath.MAX_ROWS, seed=2), [0])])
+            assert len(calls) == (1 if torch_faster else 2)
+        assert len(timings) == 1  # the second engine of the shape read the first one's choice
+        (tmp_path / "kernels" / "long-prefill.json").unlink()
+    monkeypatch.setenv(fastpath.ENV_PREFILL, "sideways")
+    with pytest.raises(ValueError, match="fast or torch"):
+        fastpath.long_prefill_on_fast_path("x", lambda: None)
+
+
+def test_the_measurement_of_long_prefills_leaves_the_engine_as_it_was(tiny_model_dir):
+    engine = load_engine(tiny_model_dir("smollm2"), dtype="float32", block_size=4)
+    free, stats = engine.num_free_blocks, dict(vars(engine.stats))
+    fast_s, torch_s = engine._time_long_prefills()
+    assert fast_s > 0 and torch_s > 0
+    assert engine.num_free_blocks == free and vars(engine.stats) == stats and engine._long_prefill_fast is None
