@@ -192,9 +192,9 @@ inline void tiles(const float *X, int64_t M, int64_t K, const W *Wp, const float
                   float *Y, int64_t ldy, bool accumulate) {
     const int64_t panel_values = K * PANEL;
     const int64_t num_tiles = (M + R - 1) / R, base = M / num_tiles, num_larger = M % num_tiles;
-    for (; j < j1; j += (j + P * PANEL <= j1 ? P : 1) * PANEL) {
+    for (bool whole; j < j1; j += (whole ? P : 1) * PANEL) {
         const W *wp = Wp + (j / PANEL) * panel_values;
-        const bool whole = j + P * PANEL <= j1;
+        whole = j + P * PANEL <= j1;  // P panels left, else one at a time
         for (int64_t t = 0, m = 0; t < num_tiles; t++) {
             const int64_t rows = base + (t < num_larger);
             if (whole) {
