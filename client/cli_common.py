@@ -57,6 +57,9 @@ def sampling_parser() -> argparse.ArgumentParser:
     group.add_argument("--sot-layout", default="", choices=["batching", "one_sequence"],
                        help="skeleton mode: branches as sequences of their own, or as regions of one sequence "
                             "(the same text either way); default: the coordinator's")
+    group.add_argument("--stream-interval-ms", type=int, default=None,
+                       help="at most one streamed message per this many ms (text joined; the first and last at once); "
+                            "0 = every round; default: the coordinator's")
     group.add_argument("--timeout-s", type=float, default=600.0, help="deadline of one generation")
     return parser
 
@@ -66,7 +69,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     return dict(mode=args.mode, drafter=args.drafter or "", k=args.k, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                 timeout_s=args.timeout_s, cascade=args.cascade, cascade_lambda=args.cascade_lambda,
-                sot_layout=getattr(args, "sot_layout", ""))
+                sot_layout=getattr(args, "sot_layout", ""), stream_interval_ms=getattr(args, "stream_interval_ms", None))
 
 
 def make_client(args: argparse.Namespace) -> CoordinatorClient:

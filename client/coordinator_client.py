@@ -178,7 +178,8 @@ def generate_request(prompt: Prompt, *, mode: str = "speculative", drafter: str 
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                      max_new_tokens: int = 128, stop: Sequence[str] = (), ignore_eos: bool = False,
                      request_id: str = "", cascade: str = "",
-                     cascade_lambda: float | None = None, sot_layout: str = "") -> coordinator_pb2.GenerateRequest:
+                     cascade_lambda: float | None = None, sot_layout: str = "",
+                     stream_interval_ms: int | None = None) -> coordinator_pb2.GenerateRequest:
     """The `GenerateRequest` for these arguments; ValueError for a mode or drafter the client does not know."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(m for m in MODES if m)}")
@@ -197,6 +198,10 @@ def generate_request(prompt: Prompt, *, mode: str = "speculative", drafter: str 
                                               skeleton_layout=SOT_LAYOUTS[sot_layout])
     if cascade_lambda is not None:
         request.cascade_lambda = cascade_lambda
+    if stream_interval_ms is not None:  # else the coordinator's
+        if stream_interval_ms < 0:
+            raise ValueError("stream_interval_ms must be >= 0")
+        request.stream_interval_ms = stream_interval_ms
     if isinstance(prompt, str):
         request.prompt = prompt
     else:

@@ -126,8 +126,9 @@ class FailoverVerifier:
     """An `AsyncStepper` over the Verify replicas of `pool` (module docstring)."""
 
     def __init__(self, pool: ServicePool, info: TargetInfo, calls: Calls, failovers: Failovers, sparse_q: bool = False,
-                 encoder_input_ids: Sequence[int] = ()):
+                 encoder_input_ids: Sequence[int] = (), stream_interval_ms: int = 0):
         self.pool = pool
+        self.stream_interval_ms = stream_interval_ms  # a Run's messages: at most one per this many ms (0: per round)
         self._info = info
         self.encoder_input_ids = list(encoder_input_ids)  # an encoder-decoder target's input (every replica opened gets it)
         self.calls = calls
@@ -249,7 +250,7 @@ class FailoverVerifier:
             replica = self.pool.acquire()
             remote = RemoteVerifier(verify_pb2_grpc.VerifyServiceStub(self.pool.channel(replica)), timeout_s=self.calls.timeout_s,
                                     sparse_q=self.sparse_q, metadata=self.calls.metadata, info=self._info,
-                                    encoder_input_ids=self.encoder_input_ids)
+                                    encoder_input_ids=self.encoder_input_ids, stream_interval_ms=self.stream_interval_ms)
             try:
                 session_id, first = await open_or_close_later(self._open_on(remote, prompt, params),
                                                               lambda opened: remote.close(opened[0]))  # noqa: B023

@@ -31,6 +31,10 @@ class CoordinatorOptions(ServerOptions):
     # fused and target-only requests: the Verify service steps the rounds and streams them (Run);
     # speculative ones hand it their plain stretches (rounds where drafting does not pay)
     server_rounds: bool = True
+    # a plain or speculative stream: at most one message per this many ms to the client, and from a
+    # Verify service's Run (the first and the last at once; text waits at most this long). 0 = every
+    # round as it lands. Per request: GenerateRequest.stream_interval_ms
+    stream_interval_ms: int = 0
     skeleton_max_parallel: int = 4  # skeleton mode: branches decoded at once when the request says 0
     skeleton_max_points: int = 8  # skeleton mode: the most points a plan may have (the grammar's bound)
     # default_mode auto: measure one plain and one SoT answer at start before routing any question to SoT

@@ -29,7 +29,7 @@ from servicekit.convert import FINISH_TO_PB, sampling_from_pb, stats_to_pb
 from servicekit.errors import Downstream, Unavailable, rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.process import process_info_pb
-from servicekit.streams import read_ahead
+from servicekit.streams import check_stream_interval, read_ahead
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.async_driver import AsyncDrafter, TargetInfo, speculative_stream_async
 from specmesh.decoding.plan import Plan, choose_plan
@@ -50,6 +50,18 @@ READ_AHEAD_RESPONSES = 8  # rounds a stream may run ahead of a slow client befor
 def is_final(response: coordinator_pb2.GenerateResponse) -> bool:
     """The request's last response: the main stream's (branch -1) with a finish reason."""
     return response.branch_id == -1 and response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def _join_responses(responses: list[coordinator_pb2.GenerateResponse]) -> coordinator_pb2.GenerateResponse:
+    """Consecutive messages of the main stream as one: their text and tokens in order; the rest (finish
+    reason, stats: only the last message of a stream has them) the last one's."""
+    joined = coordinator_pb2.GenerateResponse()
+    joined.CopyFrom(responses[-1])
+    joined.text = "".join(r.text for r in responses)
+    del joined.token_ids[:]
+    for response in responses:
+        joined.token_ids.extend(response.token_ids)
+    return joined
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -144,8 +156,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                              "(no skeleton, no cascade)")
         params = sampling_from_pb(request.sampling, self.info.vocab_size, self.options.default_max_new_tokens)
         calls, failovers = self._calls(context), Failovers()
-        source = self._answer(request, mode, drafter_kind, prompt_ids, params, calls, failovers, choice.reason, encoder_ids)
-        responses = read_ahead(source, READ_AHEAD_RESPONSES)  # the next round runs while this one is written
+        interval_ms = self._stream_interval_ms(request)
+        source = self._answer(request, mode, drafter_kind, prompt_ids, params, calls, failovers, choice.reason, encoder_ids,
+                              interval_ms)
+        # the next round runs while this one is written; the main stream's messages are joined as they wait
+        joinable = mode != "skeleton"
+        responses = read_ahead(source, READ_AHEAD_RESPONSES, merge=_join_responses if joinable else None,
+                               interval_s=interval_ms / 1e3 if joinable else 0.0, urgent=is_final)
         started_s = time.perf_counter()
         self.num_requests += 1
         self.num_active += 1
@@ -174,9 +191,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             elif not finished:
                 self.num_failed += 1
 
+    def _stream_interval_ms(self, request: coordinator_pb2.GenerateRequest) -> int:
+        """The request's stream_interval_ms, else this coordinator's (ValueError past the bound)."""
+        interval_ms = request.stream_interval_ms if request.HasField("stream_interval_ms") else self.options.stream_interval_ms
+        check_stream_interval(interval_ms)
+        return interval_ms
+
     async def _plain(self, request: coordinator_pb2.GenerateRequest, mode: str, drafter_kind: str, prompt_ids: list[int],
                      params: SamplingParams, calls: Calls, failovers: Failovers,
-                     encoder_ids: Sequence[int] = ()) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
+                     encoder_ids: Sequence[int] = (), stream_interval_ms: int = 0,
+                     ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The speculative, fused and autoregressive modes: one stream, on the main branch (-1)."""
         named_cascade = request.cascade not in ("", NO_CASCADE)
         # an n-gram request on a coordinator that places n-gram drafting on the Verify service runs fused there
@@ -186,7 +210,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         plan = choose_plan(mode, drafter=drafter_kind != "none", cascade=cascade, server_rounds=self.options.server_rounds,
                            drafter_on_verify=on_verify)
         verifier = FailoverVerifier(self.verify, self.info, calls, failovers, sparse_q=self.options.sparse_q,
-                                    encoder_input_ids=encoder_ids)
+                                    encoder_input_ids=encoder_ids, stream_interval_ms=stream_interval_ms)
         drafter = None
         if plan.drafts_here and drafter_kind != "none":
             drafter = FailoverDrafter(self.draft, calls, failovers, use_service=drafter_kind == "service" and bool(self.draft),
@@ -217,11 +241,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def _answer(self, request: coordinator_pb2.GenerateRequest, mode: str, drafter_kind: str, prompt_ids: list[int],
                 params: SamplingParams, calls: Calls, failovers: Failovers, route_reason: str,
-                encoder_ids: Sequence[int] = ()) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
+                encoder_ids: Sequence[int] = (), stream_interval_ms: int = 0,
+                ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The responses of `request` answered in `mode`: Skeleton-of-Thought, or one plain stream."""
         if mode == "skeleton":
             return self._skeleton(request, prompt_ids, params, calls, failovers, drafter_kind, route_reason)
-        return self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers, encoder_ids)
+        return self._plain(request, mode, drafter_kind, prompt_ids, params, calls, failovers, encoder_ids, stream_interval_ms)
 
     def _measured(self, mode: str, started_s: float, final: coordinator_pb2.GenerateResponse) -> None:
         """A finished answer's wall time per answer token, for the SoT gate (plain: the mode auto runs instead)."""

@@ -67,8 +67,9 @@ async def call_round(method, request, timeout_s: float, metadata: Metadata = (),
 class RemoteVerifier:
     def __init__(self, stub: verify_pb2_grpc.VerifyServiceStub, *, timeout_s: float = 60.0, sparse_q: bool = False,
                  counters: WireCounters | None = None, metadata: Metadata = (), info: TargetInfo | None = None,
-                 encoder_input_ids: Sequence[int] = ()):
+                 encoder_input_ids: Sequence[int] = (), stream_interval_ms: int = 0):
         self.stub = stub
+        self.stream_interval_ms = stream_interval_ms  # a Run's messages: at most one per this many ms (0: per round)
         self.encoder_input_ids = list(encoder_input_ids)  # [num_encoder_tokens]; empty for decoder-only targets
         self.metadata = tuple(metadata) or None
         self.timeout_s = timeout_s
@@ -179,7 +180,8 @@ class RemoteVerifier:
         land within this verifier's per-call timeout, else DEADLINE_EXCEEDED, as a unary round's
         would. Leaving the loop early cancels the call, which closes the session."""
         request = verify_pb2.RunRequest(session_id=session_id, draft=draft, num_draft_tokens=k, max_rounds=max_rounds,
-                                        round_index=self._rounds.get(session_id, 0))
+                                        round_index=self._rounds.get(session_id, 0),
+                                        stream_interval_ms=self.stream_interval_ms)
         call = self.stub.Run(request, timeout=deadline_s, metadata=self.metadata)
         self.counters.add(request)
         try:
@@ -192,13 +194,14 @@ class RemoteVerifier:
                                                f"no round of session {session_id} within {self.timeout_s} s") from None
                 if response is grpc.aio.EOF:
                     return
-                self._rounds[session_id] = response.result.round_index + 1
-                self._heard_kv(session_id, response.result)
                 self.counters.add(response)
-                self.counters.end_round()
-                drafted = DraftProposal(token_ids=[0] * response.num_draft_tokens)  # a chain of that length, for the outcome
-                yield (response.num_draft_tokens, outcome_from_pb(response.result, drafted),
-                       FINISH_FROM_PB[response.result.finish_reason], response.draft_ms)
+                for round_ in (response, *response.later_rounds):  # later_rounds: with stream_interval_ms
+                    self._rounds[session_id] = round_.result.round_index + 1
+                    self._heard_kv(session_id, round_.result)
+                    self.counters.end_round()
+                    drafted = DraftProposal(token_ids=[0] * round_.num_draft_tokens)  # a chain of that length, for the outcome
+                    yield (round_.num_draft_tokens, outcome_from_pb(round_.result, drafted),
+                           FINISH_FROM_PB[round_.result.finish_reason], round_.draft_ms)
         finally:
             call.cancel()  # no-op once the stream has ended
 

@@ -33,15 +33,30 @@ from typing import TypeVar
 
 T = TypeVar("T")
 _END = object()
+MAX_STREAM_INTERVAL_MS = 10_000  # a request's stream_interval_ms above this is refused
+
+
+def check_stream_interval(interval_ms: int) -> None:
+    """A request's stream_interval_ms: ValueError (INVALID_ARGUMENT) past `MAX_STREAM_INTERVAL_MS`."""
+    if interval_ms > MAX_STREAM_INTERVAL_MS:
+        raise ValueError(f"stream_interval_ms must be at most {MAX_STREAM_INTERVAL_MS}, got {interval_ms}")
 
 
 async def read_ahead(source: AsyncGenerator[T, None], depth: int = 8,
-                     merge: Callable[[list[T]], T] | None = None) -> AsyncGenerator[T, None]:
+                     merge: Callable[[list[T]], T] | None = None, *, interval_s: float = 0.0,
+                     urgent: Callable[[T], bool] | None = None) -> AsyncGenerator[T, None]:
     """`merge`: items already waiting when the consumer asks for the next one are handed over as one,
     `merge([item, ...])`, in order (a stream whose messages can be joined, e.g. token ids, sends fewer
-    of them when its writes fall behind its source)."""
+    of them when its writes fall behind its source).
+
+    `interval_s` (with `merge`): at most one hand-over per `interval_s`. The first item goes at once,
+    as does an item that comes `interval_s` or more after the last hand-over; one that comes sooner
+    waits until then, with the items that come meanwhile, joined. An item `urgent` says is urgent (a
+    stream's last message) goes at once, with those waiting before it."""
     if depth < 1:
         raise ValueError(f"depth must be at least 1, got {depth}")
+    if interval_s < 0 or (interval_s and merge is None):
+        raise ValueError(f"interval_s must be >= 0 and needs merge, got {interval_s}")
     queue: asyncio.Queue = asyncio.Queue(depth)
 
     async def pump() -> None:
@@ -56,8 +71,10 @@ async def read_ahead(source: AsyncGenerator[T, None], depth: int = 8,
         finally:
             await source.aclose()
 
-    task = asyncio.get_running_loop().create_task(pump())
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(pump())
     end = None  # the end (or the source's exception), met while merging the items before it
+    handed_at: float | None = None  # loop time of the last hand-over
     try:
         while True:
             item, error = end if end is not None else await queue.get()
@@ -65,17 +82,36 @@ async def read_ahead(source: AsyncGenerator[T, None], depth: int = 8,
                 if error is not None:
                     raise error
                 return
-            if merge is not None and not queue.empty():
+            if merge is not None:
                 items = [item]
-                while not queue.empty():
+                while end is None and not queue.empty():
                     waiting = queue.get_nowait()
                     if waiting[0] is _END:
                         end = waiting
-                        break
-                    items.append(waiting[0])
+                    else:
+                        items.append(waiting[0])
+                if interval_s and handed_at is not None and end is None:
+                    end = await _hold(queue, items, handed_at + interval_s, urgent)
                 item = merge(items) if len(items) > 1 else item
+            handed_at = loop.time()
             yield item
     finally:
         if not task.done():
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def _hold(queue: asyncio.Queue, items: list, until: float, urgent: Callable | None) -> tuple | None:
+    """Adds to `items` what `queue` brings until loop time `until`, or an urgent item, or the end
+    (returned, else None)."""
+    loop = asyncio.get_running_loop()
+    while loop.time() < until and not (urgent is not None and urgent(items[-1])):
+        try:
+            async with asyncio.timeout_at(until):
+                item, error = await queue.get()
+        except TimeoutError:
+            return None
+        if item is _END:
+            return item, error
+        items.append(item)
+    return None

@@ -35,7 +35,7 @@ from servicekit.errors import FailedPrecondition, Unimplemented, message_for, rp
 from servicekit.metrics import ServiceMetrics
 from servicekit.process import process_info_pb
 from servicekit.session_service import STATE_PRESERVING_ERRORS, SessionService
-from servicekit.streams import read_ahead
+from servicekit.streams import check_stream_interval, read_ahead
 from specmesh.decoding.adaptive import AdaptiveK
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
@@ -360,6 +360,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             self._check_fused_k(request.num_draft_tokens)
         elif request.num_draft_tokens:
             raise ValueError("num_draft_tokens needs draft (target-only rounds draft nothing)")
+        check_stream_interval(request.stream_interval_ms)
         async with self.session_call(request.session_id) as session:
             if request.HasField("round_index") and request.round_index != session.rounds.rounds_done:
                 raise FailedPrecondition(f"round_index {request.round_index} does not match the session, which has "
@@ -407,7 +408,9 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             # the next round is submitted before this one is written to the caller
             self._running += 1
             try:
-                async for response in read_ahead(rounds(), RUN_AHEAD_ROUNDS):
+                joined = bool(request.stream_interval_ms)  # (a caller that does not ask may not read later_rounds)
+                async for response in read_ahead(rounds(), RUN_AHEAD_ROUNDS, merge=_join_run_responses if joined else None,
+                                                 interval_s=request.stream_interval_ms / 1e3, urgent=_finishes):
                     yield response
             finally:
                 self._running -= 1
@@ -662,6 +665,18 @@ def _record(state: SpeculationState, result: VerifyResult):
     """A target-only round's verdict into the state: its event."""
     outcome = result.outcome
     return state.record(0, outcome.num_accepted, outcome.token_ids, 0.0, result.verify_ms, result.cost)
+
+
+def _join_run_responses(responses: list[verify_pb2.RunResponse]) -> verify_pb2.RunResponse:
+    """Consecutive rounds of a Run as one message: the first, carrying the others in later_rounds."""
+    joined = verify_pb2.RunResponse()
+    joined.CopyFrom(responses[0])  # (a copy: the session remembers each round's own response)
+    joined.later_rounds.extend(responses[1:])
+    return joined
+
+
+def _finishes(response: verify_pb2.RunResponse) -> bool:
+    return response.result.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 def _join_generate_responses(responses: list[verify_pb2.VerifyGenerateResponse]) -> verify_pb2.VerifyGenerateResponse:

@@ -220,6 +220,40 @@ def test_text_and_chat_and_stop_strings(cluster, tokenizer, mode):
         assert "".join(r.text for r in cut) == text[:text.index(stop)]  # the stop string itself is not sent
 
 
+@pytest.mark.parametrize("mode,drafter,k", [("autoregressive", "", 0), ("fused", "", 3), ("speculative", "service", 2),
+                                           ("speculative", "ngram", 3)])
+def test_a_stream_interval_joins_the_messages_and_changes_no_token(cluster, target, tokenizer, mode, drafter, k):
+    """GenerateRequest.stream_interval_ms: the first token alone at once, what comes within the
+    interval (here all of it) joined with the last message, which goes at once; the tokens, text and
+    finish are a stream's without it. A stop string still ends it where it did; past the bound:
+    INVALID_ARGUMENT."""
+    request = _request(PROMPT, mode, drafter, k)
+    tokens, last = _run(_collect(cluster.address, request))
+    request.stream_interval_ms = 10_000
+
+    async def main():
+        async with channel(cluster.address) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(ch)
+            return [r async for r in stub.Generate(request, timeout=TIMEOUT_S)]
+
+    joined = _run(main())
+    assert [len(r.token_ids) for r in joined] == [1, len(tokens) - 1]
+    assert [t for r in joined for t in r.token_ids] == tokens
+    assert "".join(r.text for r in joined) == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert joined[-1].finish_reason == last.finish_reason and joined[-1].stats.num_generated_tokens == len(tokens)
+    assert joined[-1].mode_choice.mode == MODES[mode]
+    text = "".join(r.text for r in joined)
+    stop = text[len(text) // 2:][:3]
+    if stop.strip():
+        request.sampling.stop.append(stop)
+        cut = _run(main())
+        assert cut[-1].finish_reason == common_pb2.FINISH_REASON_STOP and "".join(r.text for r in cut) == text[:text.index(stop)]
+    request.stream_interval_ms = 10_001
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        _run(main())
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_concurrent_streams_are_exact_and_batched(cluster, target, tokenizer):
     prompts = [f"{PROMPT} {i}" for i in range(16)]
     engine = cluster.verify[0].servicer.engine
@@ -283,11 +317,14 @@ def test_a_dead_draft_service_falls_back_and_the_output_stays_exact(target, toke
 MOVE_TOKENS = 200
 
 
-@pytest.mark.parametrize("mode,drafter,k", [("speculative", "ngram", 3), ("autoregressive", "", 0), ("fused", "", 0)])
-def test_a_dead_verify_replica_moves_the_stream_with_no_token_lost(target, tokenizer, mode, drafter, k):
-    """Per-round Verify calls, and the streamed rounds of Run (autoregressive and fused modes)."""
+@pytest.mark.parametrize("mode,drafter,k,interval_ms", [("speculative", "ngram", 3, 0), ("autoregressive", "", 0, 0),
+                                                        ("fused", "", 0, 0), ("autoregressive", "", 0, 20)])
+def test_a_dead_verify_replica_moves_the_stream_with_no_token_lost(target, tokenizer, mode, drafter, k, interval_ms):
+    """Per-round Verify calls, and the streamed rounds of Run (autoregressive and fused modes; also
+    with a stream interval, whose rounds still held by the dead replica are lost with it)."""
     with Cluster(target, num_verify=2, ngram_placement="coordinator") as c:  # speculative: a Verify call per round
         request = _request(PROMPT, mode, drafter, k, max_new_tokens=MOVE_TOKENS)  # long enough to be mid-stream at the kill
+        request.stream_interval_ms = interval_ms
         used: list = []
 
         def kill_the_busy_one() -> None:

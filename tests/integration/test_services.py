@@ -415,3 +415,46 @@ def test_an_ngram_draft_carries_its_acceptance_estimate_over_the_wire(cluster):
     ngram = asyncio.run(propose("draft_ngram"))
     assert ngram.token_ids and ngram.acceptance is not None and 0.0 < ngram.acceptance < 1.0
     assert asyncio.run(propose("draft_self")).acceptance is None
+
+
+def test_a_run_with_a_stream_interval_sends_its_rounds_joined_and_unchanged(cluster, models):
+    """stream_interval_ms: the first round goes alone, the rounds made meanwhile go with the last
+    (which goes at once) in later_rounds, in order; tokens and round indices are those of a Run
+    without it; a bounded Run's last rounds go at its end. Past the bound: INVALID_ARGUMENT."""
+    prompt, params = PROMPTS[1], SamplingParams(**GREEDY)
+    plain = generate(TargetVerifier(load_engine(models["target"], dtype="float64")), None, prompt, params).token_ids
+    with grpc.insecure_channel(cluster["verify"][1]) as ch:
+        stub = verify_pb2_grpc.VerifyServiceStub(ch)
+        opened = stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(
+            temperature=0, max_new_tokens=40, ignore_eos=True)))
+        # 60 s: every round after the first waits for the last (tiny rounds: all within it)
+        messages = list(stub.Run(verify_pb2.RunRequest(session_id=opened.session_id, stream_interval_ms=10_000,
+                                                       max_rounds=3), timeout=TIMEOUT_S))
+        assert [[r.result.round_index for r in (m, *m.later_rounds)] for m in messages] == [[0], [1, 2]]
+        messages += list(stub.Run(verify_pb2.RunRequest(session_id=opened.session_id, round_index=3,
+                                                        stream_interval_ms=10_000), timeout=TIMEOUT_S))
+        rounds = [r for m in messages for r in (m, *m.later_rounds)]
+        assert len(messages) == 4 and not messages[2].later_rounds  # each Run's first round alone
+        assert [r.result.round_index for r in rounds] == list(range(len(plain) - 1))
+        assert [opened.first_token_id, *(t for r in rounds for t in r.result.accepted_token_ids)] == plain
+        assert rounds[-1].result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id)).existed
+        too_long = verify_pb2.RunRequest(session_id=opened.session_id, stream_interval_ms=10_001)
+        assert _code(lambda: list(stub.Run(too_long))) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_remote_verifier_with_a_stream_interval_yields_every_round(cluster, models):
+    prompt, params = PROMPTS[0], SamplingParams(**GREEDY)
+    plain = generate(TargetVerifier(load_engine(models["target"], dtype="float64")), None, prompt, params).token_ids
+
+    async def main():
+        async with channel(cluster["verify"][1]) as ch:
+            remote = RemoteVerifier(verify_pb2_grpc.VerifyServiceStub(ch), stream_interval_ms=10_000)
+            session_id, first = await remote.open(prompt, params)
+            rounds = [r async for r in remote.run(session_id, draft=False)]
+            await remote.close(session_id)
+            return first, rounds
+
+    first, rounds = asyncio.run(main())
+    assert [first, *(t for _, outcome, _, _ in rounds for t in outcome.token_ids)] == plain
+    assert [finish for *_, finish, _ in rounds].count(None) == len(rounds) - 1

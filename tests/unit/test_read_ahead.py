@@ -52,3 +52,54 @@ def test_the_error_comes_after_the_items_before_it():
         return seen
 
     assert [x for item in asyncio.run(main()) for x in item] == list(range(6))
+
+
+# interval_s: at most one hand-over per interval, the first and urgent items at once
+
+
+async def _timed(n: int, gap_s: float, tail_s: float = 0.0):
+    loop = asyncio.get_running_loop()
+    for i in range(n):
+        await asyncio.sleep(gap_s)
+        yield [(i, loop.time())]
+    await asyncio.sleep(tail_s)  # e.g. a stream closing its sessions after its last message
+
+
+async def _handed(source, interval_s: float, urgent=None) -> list[tuple[list[int], float, float]]:
+    """Per hand-over: the items, when it came, and the longest any of its items waited."""
+    loop = asyncio.get_running_loop()
+    seen = []
+    async for item in read_ahead(source, 4, merge=_join, interval_s=interval_s, urgent=urgent):
+        now = loop.time()
+        seen.append(([i for i, _ in item], now, max(now - made for _, made in item)))
+    return seen
+
+
+def test_an_interval_joins_what_comes_within_it_and_holds_nothing_longer():
+    seen = asyncio.run(_handed(_timed(24, 0.01), interval_s=0.08))
+    assert [i for ids, _, _ in seen for i in ids] == list(range(24))
+    assert seen[0][0] == [0]  # the first item at once
+    assert len(seen) <= 24 // 4  # ~8 items a hand-over here
+    times = [at for _, at, _ in seen[:-1]]  # (the source's end hands the last ones over at once)
+    assert all(b - a >= 0.08 - 0.005 for a, b in zip(times, times[1:], strict=False))  # the rate
+    assert max(waited for _, _, waited in seen) < 0.08 + 0.25  # (slack for a loaded machine)
+
+
+def test_items_slower_than_the_interval_go_alone_and_at_once():
+    seen = asyncio.run(_handed(_timed(4, 0.06), interval_s=0.02))
+    assert [ids for ids, _, _ in seen] == [[0], [1], [2], [3]]
+
+
+def test_an_urgent_item_goes_at_once_with_those_before_it():
+    seen = asyncio.run(_handed(_timed(3, 0.001, tail_s=1.0), interval_s=0.5, urgent=lambda item: item[-1][0] == 2))
+    assert [ids for ids, _, _ in seen] == [[0], [1, 2]]
+    assert seen[1][2] < 0.4  # not held for the interval, nor for the source's tail
+
+
+def test_an_interval_needs_merge():
+    async def main():
+        async for _ in read_ahead(_numbers(1), 4, interval_s=0.1):
+            pass
+
+    with pytest.raises(ValueError, match="needs merge"):
+        asyncio.run(main())

@@ -25,39 +25,39 @@ _sym_db = _symbol_database.Default()
 from specmesh.proto.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecmesh/v1/coordinator.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa7\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.specmesh.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12)\n\x04mode\x18\x04 \x01(\x0e\x32\x1b.specmesh.v1.GenerationMode\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x07 \x01(\t\x12\x14\n\x0cmax_parallel\x18\x08 \x01(\r\x12\x11\n\tdocuments\x18\t \x03(\t\x12\x17\n\x0fskeleton_prefix\x18\n \x01(\t\x12\x0f\n\x07\x63\x61scade\x18\x0b \x01(\t\x12\x1b\n\x0e\x63\x61scade_lambda\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x32\n\x0fskeleton_layout\x18\r \x01(\x0e\x32\x19.specmesh.v1.BranchLayoutB\x07\n\x05inputB\x11\n\x0f_cascade_lambda\"1\n\x17SetCascadeLambdaRequest\x12\x16\n\x0e\x63\x61scade_lambda\x18\x01 \x01(\x01\"2\n\x18SetCascadeLambdaResponse\x12\x16\n\x0e\x63\x61scade_lambda\x18\x01 \x01(\x01\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\"\x99\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tbranch_id\x18\x03 \x01(\x05\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12,\n\x05stats\x18\x05 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\x12\x15\n\rerror_message\x18\x06 \x01(\t\x12,\n\x08skeleton\x18\x07 \x01(\x0b\x32\x1a.specmesh.v1.SkeletonStats\x12,\n\x0bmode_choice\x18\x08 \x01(\x0b\x32\x17.specmesh.v1.ModeChoice\"W\n\nModeChoice\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.specmesh.v1.GenerationMode\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06routed\x18\x03 \x01(\x08\"\x94\x03\n\rSkeletonStats\x12\x14\n\x0croute_reason\x18\x01 \x01(\t\x12\x15\n\rdirect_reason\x18\x02 \x01(\t\x12\x13\n\x0bskeleton_ms\x18\x03 \x01(\x01\x12\x1b\n\x13num_skeleton_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x62ranches_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12*\n\x08\x62ranches\x18\x07 \x03(\x0b\x32\x18.specmesh.v1.BranchStats\x12\x14\n\x0cmax_parallel\x18\x08 \x01(\r\x12!\n\x19parallel_speedup_estimate\x18\t \x01(\x01\x12\x1e\n\x16num_prefilled_branches\x18\n \x01(\r\x12)\n\x06layout\x18\x0b \x01(\x0e\x32\x19.specmesh.v1.BranchLayout\x12\x1a\n\x12num_verify_batches\x18\x0c \x01(\r\x12\x1a\n\x12num_batched_rounds\x18\r \x01(\r\x12\x15\n\rnum_fork_rpcs\x18\x0e \x01(\r\"\xd6\x01\n\x0b\x42ranchStats\x12\x10\n\x08point_id\x18\x01 \x01(\x05\x12\r\n\x05title\x18\x02 \x01(\t\x12\x12\n\nest_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_rounds\x18\x05 \x01(\r\x12\x10\n\x08start_ms\x18\x06 \x01(\x01\x12\x0f\n\x07wall_ms\x18\x07 \x01(\x01\x12\x30\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\x15\n\rerror_message\x18\t \x01(\t\"\x11\n\x0fGetStatsRequest\"\xdb\x02\n\x10GetStatsResponse\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x02 \x01(\x04\x12-\n\x06totals\x18\x03 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\x12\x1b\n\x13num_active_requests\x18\x04 \x01(\x04\x12\x1b\n\x13num_failed_requests\x18\x05 \x01(\x04\x12\x15\n\rnum_failovers\x18\x06 \x01(\x04\x12,\n\x08replicas\x18\x07 \x03(\x0b\x32\x1a.specmesh.v1.ReplicaStatus\x12)\n\x07process\x18\x08 \x01(\x0b\x32\x18.specmesh.v1.ProcessInfo\x12\x1e\n\x16num_cancelled_requests\x18\t \x01(\x04\x12\x1a\n\x12max_context_tokens\x18\n \x01(\r\"l\n\rReplicaStatus\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x18\n\x10num_readmissions\x18\x05 \x01(\r*\xaf\x01\n\x0eGenerationMode\x12\x1f\n\x1bGENERATION_MODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bGENERATION_MODE_SPECULATIVE\x10\x01\x12\x19\n\x15GENERATION_MODE_FUSED\x10\x02\x12\x1c\n\x18GENERATION_MODE_SKELETON\x10\x03\x12\"\n\x1eGENERATION_MODE_AUTOREGRESSIVE\x10\x04\x32\x89\x02\n\x12\x43oordinatorService\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12G\n\x08GetStats\x12\x1c.specmesh.v1.GetStatsRequest\x1a\x1d.specmesh.v1.GetStatsResponse\x12_\n\x10SetCascadeLambda\x12$.specmesh.v1.SetCascadeLambdaRequest\x1a%.specmesh.v1.SetCascadeLambdaResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecmesh/v1/coordinator.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdf\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.specmesh.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12)\n\x04mode\x18\x04 \x01(\x0e\x32\x1b.specmesh.v1.GenerationMode\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x07 \x01(\t\x12\x14\n\x0cmax_parallel\x18\x08 \x01(\r\x12\x11\n\tdocuments\x18\t \x03(\t\x12\x17\n\x0fskeleton_prefix\x18\n \x01(\t\x12\x0f\n\x07\x63\x61scade\x18\x0b \x01(\t\x12\x1b\n\x0e\x63\x61scade_lambda\x18\x0c \x01(\x01H\x01\x88\x01\x01\x12\x32\n\x0fskeleton_layout\x18\r \x01(\x0e\x32\x19.specmesh.v1.BranchLayout\x12\x1f\n\x12stream_interval_ms\x18\x0e \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05inputB\x11\n\x0f_cascade_lambdaB\x15\n\x13_stream_interval_ms\"1\n\x17SetCascadeLambdaRequest\x12\x16\n\x0e\x63\x61scade_lambda\x18\x01 \x01(\x01\"2\n\x18SetCascadeLambdaResponse\x12\x16\n\x0e\x63\x61scade_lambda\x18\x01 \x01(\x01\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\"\x99\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tbranch_id\x18\x03 \x01(\x05\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12,\n\x05stats\x18\x05 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\x12\x15\n\rerror_message\x18\x06 \x01(\t\x12,\n\x08skeleton\x18\x07 \x01(\x0b\x32\x1a.specmesh.v1.SkeletonStats\x12,\n\x0bmode_choice\x18\x08 \x01(\x0b\x32\x17.specmesh.v1.ModeChoice\"W\n\nModeChoice\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.specmesh.v1.GenerationMode\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06routed\x18\x03 \x01(\x08\"\x94\x03\n\rSkeletonStats\x12\x14\n\x0croute_reason\x18\x01 \x01(\t\x12\x15\n\rdirect_reason\x18\x02 \x01(\t\x12\x13\n\x0bskeleton_ms\x18\x03 \x01(\x01\x12\x1b\n\x13num_skeleton_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x62ranches_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12*\n\x08\x62ranches\x18\x07 \x03(\x0b\x32\x18.specmesh.v1.BranchStats\x12\x14\n\x0cmax_parallel\x18\x08 \x01(\r\x12!\n\x19parallel_speedup_estimate\x18\t \x01(\x01\x12\x1e\n\x16num_prefilled_branches\x18\n \x01(\r\x12)\n\x06layout\x18\x0b \x01(\x0e\x32\x19.specmesh.v1.BranchLayout\x12\x1a\n\x12num_verify_batches\x18\x0c \x01(\r\x12\x1a\n\x12num_batched_rounds\x18\r \x01(\r\x12\x15\n\rnum_fork_rpcs\x18\x0e \x01(\r\"\xd6\x01\n\x0b\x42ranchStats\x12\x10\n\x08point_id\x18\x01 \x01(\x05\x12\r\n\x05title\x18\x02 \x01(\t\x12\x12\n\nest_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_rounds\x18\x05 \x01(\r\x12\x10\n\x08start_ms\x18\x06 \x01(\x01\x12\x0f\n\x07wall_ms\x18\x07 \x01(\x01\x12\x30\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12\x15\n\rerror_message\x18\t \x01(\t\"\x11\n\x0fGetStatsRequest\"\xdb\x02\n\x10GetStatsResponse\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x04\x12\x1c\n\x14num_generated_tokens\x18\x02 \x01(\x04\x12-\n\x06totals\x18\x03 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\x12\x1b\n\x13num_active_requests\x18\x04 \x01(\x04\x12\x1b\n\x13num_failed_requests\x18\x05 \x01(\x04\x12\x15\n\rnum_failovers\x18\x06 \x01(\x04\x12,\n\x08replicas\x18\x07 \x03(\x0b\x32\x1a.specmesh.v1.ReplicaStatus\x12)\n\x07process\x18\x08 \x01(\x0b\x32\x18.specmesh.v1.ProcessInfo\x12\x1e\n\x16num_cancelled_requests\x18\t \x01(\x04\x12\x1a\n\x12max_context_tokens\x18\n \x01(\r\"l\n\rReplicaStatus\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x18\n\x10num_readmissions\x18\x05 \x01(\r*\xaf\x01\n\x0eGenerationMode\x12\x1f\n\x1bGENERATION_MODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bGENERATION_MODE_SPECULATIVE\x10\x01\x12\x19\n\x15GENERATION_MODE_FUSED\x10\x02\x12\x1c\n\x18GENERATION_MODE_SKELETON\x10\x03\x12\"\n\x1eGENERATION_MODE_AUTOREGRESSIVE\x10\x04\x32\x89\x02\n\x12\x43oordinatorService\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12G\n\x08GetStats\x12\x1c.specmesh.v1.GetStatsRequest\x1a\x1d.specmesh.v1.GetStatsResponse\x12_\n\x10SetCascadeLambda\x12$.specmesh.v1.SetCascadeLambdaRequest\x1a%.specmesh.v1.SetCascadeLambdaResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATIONMODE']._serialized_start=2184
-  _globals['_GENERATIONMODE']._serialized_end=2359
+  _globals['_GENERATIONMODE']._serialized_start=2240
+  _globals['_GENERATIONMODE']._serialized_end=2415
   _globals['_CHATMESSAGE']._serialized_start=72
   _globals['_CHATMESSAGE']._serialized_end=116
   _globals['_GENERATEREQUEST']._serialized_start=119
-  _globals['_GENERATEREQUEST']._serialized_end=542
-  _globals['_SETCASCADELAMBDAREQUEST']._serialized_start=544
-  _globals['_SETCASCADELAMBDAREQUEST']._serialized_end=593
-  _globals['_SETCASCADELAMBDARESPONSE']._serialized_start=595
-  _globals['_SETCASCADELAMBDARESPONSE']._serialized_end=645
-  _globals['_CHATMESSAGES']._serialized_start=647
-  _globals['_CHATMESSAGES']._serialized_end=705
-  _globals['_GENERATERESPONSE']._serialized_start=708
-  _globals['_GENERATERESPONSE']._serialized_end=989
-  _globals['_MODECHOICE']._serialized_start=991
-  _globals['_MODECHOICE']._serialized_end=1078
-  _globals['_SKELETONSTATS']._serialized_start=1081
-  _globals['_SKELETONSTATS']._serialized_end=1485
-  _globals['_BRANCHSTATS']._serialized_start=1488
-  _globals['_BRANCHSTATS']._serialized_end=1702
-  _globals['_GETSTATSREQUEST']._serialized_start=1704
-  _globals['_GETSTATSREQUEST']._serialized_end=1721
-  _globals['_GETSTATSRESPONSE']._serialized_start=1724
-  _globals['_GETSTATSRESPONSE']._serialized_end=2071
-  _globals['_REPLICASTATUS']._serialized_start=2073
-  _globals['_REPLICASTATUS']._serialized_end=2181
-  _globals['_COORDINATORSERVICE']._serialized_start=2362
-  _globals['_COORDINATORSERVICE']._serialized_end=2627
+  _globals['_GENERATEREQUEST']._serialized_end=598
+  _globals['_SETCASCADELAMBDAREQUEST']._serialized_start=600
+  _globals['_SETCASCADELAMBDAREQUEST']._serialized_end=649
+  _globals['_SETCASCADELAMBDARESPONSE']._serialized_start=651
+  _globals['_SETCASCADELAMBDARESPONSE']._serialized_end=701
+  _globals['_CHATMESSAGES']._serialized_start=703
+  _globals['_CHATMESSAGES']._serialized_end=761
+  _globals['_GENERATERESPONSE']._serialized_start=764
+  _globals['_GENERATERESPONSE']._serialized_end=1045
+  _globals['_MODECHOICE']._serialized_start=1047
+  _globals['_MODECHOICE']._serialized_end=1134
+  _globals['_SKELETONSTATS']._serialized_start=1137
+  _globals['_SKELETONSTATS']._serialized_end=1541
+  _globals['_BRANCHSTATS']._serialized_start=1544
+  _globals['_BRANCHSTATS']._serialized_end=1758
+  _globals['_GETSTATSREQUEST']._serialized_start=1760
+  _globals['_GETSTATSREQUEST']._serialized_end=1777
+  _globals['_GETSTATSRESPONSE']._serialized_start=1780
+  _globals['_GETSTATSRESPONSE']._serialized_end=2127
+  _globals['_REPLICASTATUS']._serialized_start=2129
+  _globals['_REPLICASTATUS']._serialized_end=2237
+  _globals['_COORDINATORSERVICE']._serialized_start=2418
+  _globals['_COORDINATORSERVICE']._serialized_end=2683
 # @@protoc_insertion_point(module_scope)

@@ -102,6 +102,7 @@ class GenerateRequest(_message.Message):
     CASCADE_FIELD_NUMBER: _builtins.int
     CASCADE_LAMBDA_FIELD_NUMBER: _builtins.int
     SKELETON_LAYOUT_FIELD_NUMBER: _builtins.int
+    STREAM_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """raw text, tokenized as-is"""
     mode: Global___GenerationMode.ValueType
@@ -136,6 +137,12 @@ class GenerateRequest(_message.Message):
     """
     skeleton_layout: _common_pb2.BranchLayout.ValueType
     """skeleton mode: how the Verify service lays out the branches"""
+    stream_interval_ms: _builtins.int
+    """(UNSPECIFIED = the coordinator's default); the text is the same
+    At most one message of the main stream per this many ms: the first and the last go out at once,
+    text made meanwhile waits at most this long and goes out joined (tokens and output unchanged).
+    Unset = the coordinator's stream_interval_ms; 0 = every round as it lands. Skeleton mode: unused.
+    """
     @_builtins.property
     def chat(self) -> Global___ChatMessages:
         """rendered with the model's chat template"""
@@ -162,17 +169,22 @@ class GenerateRequest(_message.Message):
         cascade: _builtins.str = ...,
         cascade_lambda: _builtins.float | None = ...,
         skeleton_layout: _common_pb2.BranchLayout.ValueType = ...,
+        stream_interval_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda", "cascade_lambda", b"cascade_lambda", "chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda", "_stream_interval_ms", b"_stream_interval_ms", "cascade_lambda", b"cascade_lambda", "chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling", "stream_interval_ms", b"stream_interval_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda", "cascade", b"cascade", "cascade_lambda", b"cascade_lambda", "chat", b"chat", "documents", b"documents", "drafter", b"drafter", "input", b"input", "max_parallel", b"max_parallel", "mode", b"mode", "num_draft_tokens", b"num_draft_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "skeleton_layout", b"skeleton_layout", "skeleton_prefix", b"skeleton_prefix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda", "_stream_interval_ms", b"_stream_interval_ms", "cascade", b"cascade", "cascade_lambda", b"cascade_lambda", "chat", b"chat", "documents", b"documents", "drafter", b"drafter", "input", b"input", "max_parallel", b"max_parallel", "mode", b"mode", "num_draft_tokens", b"num_draft_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "skeleton_layout", b"skeleton_layout", "skeleton_prefix", b"skeleton_prefix", "stream_interval_ms", b"stream_interval_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__cascade_lambda: _TypeAlias = _typing.Literal["cascade_lambda"]  # noqa: Y015
     _WhichOneofArgType__cascade_lambda: _TypeAlias = _typing.Literal["_cascade_lambda", b"_cascade_lambda"]  # noqa: Y015
+    _WhichOneofReturnType__stream_interval_ms: _TypeAlias = _typing.Literal["stream_interval_ms"]  # noqa: Y015
+    _WhichOneofArgType__stream_interval_ms: _TypeAlias = _typing.Literal["_stream_interval_ms", b"_stream_interval_ms"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__cascade_lambda) -> _WhichOneofReturnType__cascade_lambda | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stream_interval_ms) -> _WhichOneofReturnType__stream_interval_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 

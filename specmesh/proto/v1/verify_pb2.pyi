@@ -401,6 +401,7 @@ class RunRequest(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     ROUND_INDEX_FIELD_NUMBER: _builtins.int
     MAX_ROUNDS_FIELD_NUMBER: _builtins.int
+    STREAM_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     draft: _builtins.bool
     """draft with the hosted drafter (fused); false: target-only rounds"""
@@ -410,6 +411,12 @@ class RunRequest(_message.Message):
     """the session's completed rounds, as in VerifyRequest (checked, not replayed)"""
     max_rounds: _builtins.int
     """stop after this many rounds (the session stays open); 0 = until it finishes"""
+    stream_interval_ms: _builtins.int
+    """Fewer, larger messages: at most one message per this many ms (0 = each round as it lands). The
+    first round and the session's last go out at once; a round made meanwhile waits at most this
+    long, and goes out with the rounds made beside it (RunResponse.later_rounds). Each message
+    costs both ends CPU that a host whose cores run the model's threads takes from its forwards.
+    """
     def __init__(
         self,
         *,
@@ -418,10 +425,11 @@ class RunRequest(_message.Message):
         num_draft_tokens: _builtins.int = ...,
         round_index: _builtins.int | None = ...,
         max_rounds: _builtins.int = ...,
+        stream_interval_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "round_index", b"round_index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "draft", b"draft", "max_rounds", b"max_rounds", "num_draft_tokens", b"num_draft_tokens", "round_index", b"round_index", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "draft", b"draft", "max_rounds", b"max_rounds", "num_draft_tokens", b"num_draft_tokens", "round_index", b"round_index", "session_id", b"session_id", "stream_interval_ms", b"stream_interval_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__round_index: _TypeAlias = _typing.Literal["round_index"]  # noqa: Y015
     _WhichOneofArgType__round_index: _TypeAlias = _typing.Literal["_round_index", b"_round_index"]  # noqa: Y015
@@ -465,21 +473,29 @@ class RunResponse(_message.Message):
     RESULT_FIELD_NUMBER: _builtins.int
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     DRAFT_MS_FIELD_NUMBER: _builtins.int
+    LATER_ROUNDS_FIELD_NUMBER: _builtins.int
     num_draft_tokens: _builtins.int
     """the k actually drafted (0: target only, or a draft withheld)"""
     draft_ms: _builtins.float
     @_builtins.property
     def result(self) -> Global___VerifyResponse: ...
+    @_builtins.property
+    def later_rounds(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunResponse]:
+        """Only with RunRequest.stream_interval_ms: the rounds made after this one while it waited, in
+        order, each a whole RunResponse (their own later_rounds empty).
+        """
+
     def __init__(
         self,
         *,
         result: Global___VerifyResponse | None = ...,
         num_draft_tokens: _builtins.int = ...,
         draft_ms: _builtins.float = ...,
+        later_rounds: _abc.Iterable[Global___RunResponse] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_ms", b"draft_ms", "num_draft_tokens", b"num_draft_tokens", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_ms", b"draft_ms", "later_rounds", b"later_rounds", "num_draft_tokens", b"num_draft_tokens", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
