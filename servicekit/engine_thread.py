@@ -25,10 +25,14 @@ import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from servicekit.core_share import CoreShare
+
+if TYPE_CHECKING:
+    from specmesh.models.engine import EngineStats
 
 ASIDE_WORKERS = 2  # threads for blocking work beside the engine (module docstring)
 _aside: ThreadPoolExecutor | None = None
@@ -64,12 +68,19 @@ class EngineThread:
     that job's torch ops get (e.g. more while cores lent by another process are idle), given what the
     core board lends it now (`core_share`: None without a board); the count changes only when the
     answer does. Without it, every job gets `num_threads` plus what the board lends.
-    `core_share` (optional, `servicekit.core_share`): the job's turn on the host's core board."""
+    `core_share` (optional, `servicekit.core_share`): the job's turn on the host's core board.
+    `lent_timings` (optional, with a board that lends threads): engine stats whose per-token times
+    (`step_ms`, `prefill_ms_per_token`: the prior callers' k policies get) only jobs that ran on the
+    lent threads may move, once a lent job has timed them: a lone session's Propose runs lent, so one
+    drafted while the lenders were busy (another session's verify, a prefill beside the Verify
+    service's) would report a token dearer than a lone session's rounds pay."""
 
     def __init__(self, name: str = "engine", num_threads: int | None = None):
         self.num_threads = num_threads or torch.get_num_threads()
         self.threads_for_job: Callable[[int | None], int] | None = None
         self.core_share: CoreShare | None = None
+        self.lent_timings: EngineStats | None = None
+        self._lent_timed = False  # a lent job has run since lent_timings was set
         self.threads_now = self.num_threads  # the engine thread's count (set by its initializer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                             initializer=threads_here, initargs=(self.num_threads,))
@@ -88,6 +99,8 @@ class EngineThread:
     def _job(self, fn, args, kwargs, may_borrow: bool):
         share = self.core_share
         lent = share.begin(may_borrow) if share is not None else None
+        stats = self.lent_timings if share is not None and share.borrow_threads and not lent and self._lent_timed else None
+        kept = (stats.step_ms, stats.prefill_ms_per_token) if stats is not None else None
         try:
             if self.threads_for_job is not None:
                 wanted = self.threads_for_job(lent)
@@ -98,6 +111,10 @@ class EngineThread:
                 self.threads_now = wanted
             return fn(*args, **kwargs)
         finally:
+            if stats is not None and kept is not None:  # (a figure missing: this job's is the first)
+                stats.step_ms = kept[0] if kept[0] is not None else stats.step_ms
+                stats.prefill_ms_per_token = kept[1] if kept[1] is not None else stats.prefill_ms_per_token
+            self._lent_timed |= bool(lent) and self.lent_timings is not None
             if share is not None:
                 share.end()
 

@@ -94,3 +94,42 @@ def test_bad_slots_and_no_board(board_path):
     assert core_share_from(CoreOptions(core_slot=0, lender_slots="1", borrow_threads=1)) is None
     share = core_share_from(CoreOptions(core_board=board_path, core_slot=3, borrow_threads=2))
     assert share is not None and share.borrow_threads == 0  # no lenders: nothing to borrow
+
+
+def test_only_lent_jobs_move_the_per_token_times_of_lent_timings(board_path):
+    """EngineThread.lent_timings: once a lent job has run, a job that ran without the lent threads
+    leaves step_ms and prefill_ms_per_token as they were; a lent one moves them."""
+    import asyncio
+
+    from servicekit.engine_thread import EngineThread
+    from specmesh.models.engine import EngineStats
+
+    draft = CoreShare(CoreBoard(board_path), slot=0, lenders=(1,), borrow_threads=1)
+    verify = CoreShare(CoreBoard(board_path), slot=1, lenders=(0,), borrow_threads=1)
+    engine_thread = EngineThread("test-engine", num_threads=1)
+    engine_thread.core_share, engine_thread.lent_timings = draft, EngineStats()
+    stats = engine_thread.lent_timings
+
+    def forward(ms: float) -> int:
+        stats.record_step(ms, weight=1.0)
+        stats.record_prefill(ms, 10, weight=1.0)
+        return engine_thread.threads_now
+
+    async def main():
+        try:
+            verify.begin(wait_s=0.0)  # the lender is busy: unlent
+            assert await engine_thread.run(forward, 30.0) == 1
+            assert stats.step_ms == 30.0  # no lent job yet: every job's figure counts
+            verify.end()
+            assert await engine_thread.run(forward, 12.0) == 2
+            assert (stats.step_ms, stats.prefill_ms_per_token) == (12.0, 1.2)  # lent: moved
+            verify.begin(wait_s=0.0)
+            assert await engine_thread.run(forward, 40.0) == 1
+            assert (stats.step_ms, stats.prefill_ms_per_token) == (12.0, 1.2)  # unlent, after a lent one: not moved
+            verify.end()
+            assert await engine_thread.run(forward, 14.0) == 2
+            assert stats.step_ms == 14.0
+        finally:
+            engine_thread.shutdown()
+
+    asyncio.run(main())
