@@ -42,6 +42,6 @@ async def create_server(options: DraftOptions) -> tuple[ServiceHandle, int]:
     handle = await start_service(options, metrics, servicer, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME)],
                                  on_stop=[servicer.shutdown])
     if engine is not None:
-        engine_thread.lent_timings = engine.stats  # a lone session's Propose runs lent: price its tokens so
+        engine_thread.time_apart(engine.stats)  # lent and unlent drafts priced apart (DraftServicer._ms_per_token)
         servicer.time_step_when_lent(engine)
     return handle, handle.port

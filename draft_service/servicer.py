@@ -339,8 +339,17 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
                                                              len(prompt) + len(encoder_input),
                                                              draft_ahead=not encoder_input))
         return draft_pb2.DraftOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=params.seed,
-                                                  ms_per_token=getattr(self.drafter, "ms_per_token", None),
+                                                  ms_per_token=self._ms_per_token(),
                                                   drafts_ahead=self.draft_ahead and not encoder_input)
+
+    def _ms_per_token(self) -> float | None:
+        """A draft token's cost, the callers' k policy prior: the engine's one-token forwards (recent
+        average, those ahead included). With a core board, those of the jobs a session gets now: on the
+        lent threads while it is alone here (a lone session's Propose and Verify take turns, each
+        lending its cores to the other), on this process's own when others share the service."""
+        if self.engine_thread.kept_apart:
+            return self.engine_thread.per_token_ms(lent=self.num_sessions <= 1)
+        return getattr(self.drafter, "ms_per_token", None)
 
     @rpc_method
     async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeResponse:
@@ -369,7 +378,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
                 session.hit_rate = moving_average(session.hit_rate, float(held))
             response = propose_response(result.proposal, request, self.vocab_size, result.draft_ms)
             # the engine's one-token forwards (recent average, those ahead included)
-            ms_per_token = getattr(self.drafter, "ms_per_token", None)
+            ms_per_token = self._ms_per_token()
             if ms_per_token is not None:  # what an OpenSession would report now: the caller's next prior
                 response.ms_per_token = ms_per_token
             if self.draft_ahead and session.draft_ahead:  # that, or under load a batch's

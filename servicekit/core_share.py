@@ -138,21 +138,44 @@ def core_share_from(options: CoreOptions) -> CoreShare | None:
     return CoreShare(CoreBoard(options.core_board), options.core_slot, lenders, options.borrow_threads if lenders else 0)
 
 
-# measure_when_lent times the step this many times and keeps the fastest: the first lent job comes as the
-# lenders go idle, when their last work may still hold the cores for a moment (one timing read 15.8 ms where
-# the lent step takes 11.6, and the prior it gave kept a lone session from ever drafting)
+# measure_when_lent times the step in this many lent jobs, LENT_TIMING_SPACING_S apart, and keeps the
+# fastest: the first lent job comes as the lenders go idle, while the cluster's other processes may still
+# be starting (one timing read 14.5-15.8 ms where the lent step takes 11.6, and the prior it gave kept a lone
+# session from ever drafting)
 LENT_TIMINGS = 3
+LENT_TIMING_SPACING_S = 2.0
 
 
 async def measure_when_lent(engine_thread, engine, tries: int = 40, interval_s: float = 0.25) -> bool:
-    """Time the engine's step (`measure_step`, the callers' k policy prior; the fastest of LENT_TIMINGS) again in the first job that
-    gets the threads the board lends: at load the other processes were loading too, so it was timed on
-    this process's own threads, where a lone session's rounds run on the lent ones as well. True once
-    timed; False without a board, or when nothing was lent in `tries` attempts."""
+    """Time the engine's step (`measure_step`, the callers' k policy prior) again in jobs that get the
+    threads the board lends: at load the other processes were loading too, so it was timed on this
+    process's own threads, where a lone session's rounds run on the lent ones as well. The first such
+    job sets the figure; LENT_TIMINGS - 1 more, LENT_TIMING_SPACING_S apart, keep the fastest. True
+    once timed; False without a board, or when nothing was lent in `tries` attempts."""
     from specmesh.models.engine import measure_step
 
     if engine_thread.core_share is None or not engine_thread.core_share.borrow_threads:
         return False
+    timings: list[tuple[float, float | None]] = []
+
+    def timed_if_lent() -> bool:
+        if engine_thread.threads_now <= engine_thread.num_threads:
+            return False
+        engine.stats.step_ms = engine.stats.prefill_ms_per_token = None  # timed afresh, not averaged in
+        measure_step(engine)
+        if engine.stats.step_ms is not None:
+            timings.append((engine.stats.step_ms, engine.stats.prefill_ms_per_token))
+            engine.stats.step_ms, engine.stats.prefill_ms_per_token = min(timings, key=lambda t: t[0])
+        return True
+
+    for _ in range(tries):
+        if await engine_thread.run(timed_if_lent):
+            if len(timings) >= LENT_TIMINGS:
+                return True
+            await asyncio.sleep(LENT_TIMING_SPACING_S)
+            continue
+        await asyncio.sleep(interval_s)
+    return bool(timings)
 
     def timed_if_lent() -> bool:
         if engine_thread.threads_now <= engine_thread.num_threads:

@@ -69,18 +69,18 @@ class EngineThread:
     core board lends it now (`core_share`: None without a board); the count changes only when the
     answer does. Without it, every job gets `num_threads` plus what the board lends.
     `core_share` (optional, `servicekit.core_share`): the job's turn on the host's core board.
-    `lent_timings` (optional, with a board that lends threads): engine stats whose per-token times
-    (`step_ms`, `prefill_ms_per_token`: the prior callers' k policies get) only jobs that ran on the
-    lent threads may move, once a lent job has timed them: a lone session's Propose runs lent, so one
-    drafted while the lenders were busy (another session's verify, a prefill beside the Verify
-    service's) would report a token dearer than a lone session's rounds pay."""
+    `time_apart(stats)` (with a board that lends threads): the engine's per-token times (`step_ms`,
+    `prefill_ms_per_token`: the prior callers' k policies get) are kept apart for jobs on the lent
+    threads and jobs on this process's own, each averaged over its own kind (`per_token_ms`): a lone
+    session's Propose runs lent, a busy service's on its own threads, and one figure averaging both
+    priced neither (a lone session's drafts at 15-21 ms where they take 12, so it never drafted)."""
 
     def __init__(self, name: str = "engine", num_threads: int | None = None):
         self.num_threads = num_threads or torch.get_num_threads()
         self.threads_for_job: Callable[[int | None], int] | None = None
         self.core_share: CoreShare | None = None
-        self.lent_timings: EngineStats | None = None
-        self._lent_timed = False  # a lent job has run since lent_timings was set
+        self._apart: EngineStats | None = None  # time_apart's stats
+        self._times: dict[bool, tuple[float | None, float | None]] = {}  # lent? -> (step_ms, prefill_ms_per_token)
         self.threads_now = self.num_threads  # the engine thread's count (set by its initializer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                             initializer=threads_here, initargs=(self.num_threads,))
@@ -96,11 +96,27 @@ class EngineThread:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(self._job, fn, args, kwargs, False))
 
+    def time_apart(self, stats: EngineStats) -> None:
+        """Keep `stats`' per-token times apart for lent and unlent jobs from now on (class docstring);
+        both start from the figures it has."""
+        self._apart = stats
+        self._times = dict.fromkeys((True, False), (stats.step_ms, stats.prefill_ms_per_token))
+
+    @property
+    def kept_apart(self) -> bool:
+        return self._apart is not None and self.core_share is not None and bool(self.core_share.borrow_threads)
+
+    def per_token_ms(self, lent: bool) -> float | None:
+        """With `time_apart`: the one-token forward of jobs on the lent threads (`lent`) or on this
+        process's own, as recently averaged."""
+        return self._times[lent][0] if self._times else None
+
     def _job(self, fn, args, kwargs, may_borrow: bool):
         share = self.core_share
         lent = share.begin(may_borrow) if share is not None else None
-        stats = self.lent_timings if share is not None and share.borrow_threads and not lent and self._lent_timed else None
-        kept = (stats.step_ms, stats.prefill_ms_per_token) if stats is not None else None
+        stats = self._apart if self.kept_apart else None
+        if stats is not None:
+            stats.step_ms, stats.prefill_ms_per_token = self._times[bool(lent)]
         try:
             if self.threads_for_job is not None:
                 wanted = self.threads_for_job(lent)
@@ -111,10 +127,8 @@ class EngineThread:
                 self.threads_now = wanted
             return fn(*args, **kwargs)
         finally:
-            if stats is not None and kept is not None:  # (a figure missing: this job's is the first)
-                stats.step_ms = kept[0] if kept[0] is not None else stats.step_ms
-                stats.prefill_ms_per_token = kept[1] if kept[1] is not None else stats.prefill_ms_per_token
-            self._lent_timed |= bool(lent) and self.lent_timings is not None
+            if stats is not None:
+                self._times[bool(lent)] = (stats.step_ms, stats.prefill_ms_per_token)
             if share is not None:
                 share.end()
 

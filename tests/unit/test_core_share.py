@@ -96,9 +96,9 @@ def test_bad_slots_and_no_board(board_path):
     assert share is not None and share.borrow_threads == 0  # no lenders: nothing to borrow
 
 
-def test_only_lent_jobs_move_the_per_token_times_of_lent_timings(board_path):
-    """EngineThread.lent_timings: once a lent job has run, a job that ran without the lent threads
-    leaves step_ms and prefill_ms_per_token as they were; a lent one moves them."""
+def test_lent_and_unlent_jobs_per_token_times_are_kept_apart(board_path):
+    """EngineThread.time_apart: the per-token times of jobs on the lent threads and of jobs on the
+    process's own are averaged apart (both start from the figure at the call)."""
     import asyncio
 
     from servicekit.engine_thread import EngineThread
@@ -107,28 +107,26 @@ def test_only_lent_jobs_move_the_per_token_times_of_lent_timings(board_path):
     draft = CoreShare(CoreBoard(board_path), slot=0, lenders=(1,), borrow_threads=1)
     verify = CoreShare(CoreBoard(board_path), slot=1, lenders=(0,), borrow_threads=1)
     engine_thread = EngineThread("test-engine", num_threads=1)
-    engine_thread.core_share, engine_thread.lent_timings = draft, EngineStats()
-    stats = engine_thread.lent_timings
+    engine_thread.core_share = draft
+    stats = EngineStats(step_ms=30.0, prefill_ms_per_token=3.0)  # timed at load, on its own threads
+    engine_thread.time_apart(stats)
 
     def forward(ms: float) -> int:
-        stats.record_step(ms, weight=1.0)
-        stats.record_prefill(ms, 10, weight=1.0)
+        stats.record_step(ms, weight=0.5)
         return engine_thread.threads_now
 
     async def main():
         try:
-            verify.begin(wait_s=0.0)  # the lender is busy: unlent
-            assert await engine_thread.run(forward, 30.0) == 1
-            assert stats.step_ms == 30.0  # no lent job yet: every job's figure counts
-            verify.end()
-            assert await engine_thread.run(forward, 12.0) == 2
-            assert (stats.step_ms, stats.prefill_ms_per_token) == (12.0, 1.2)  # lent: moved
-            verify.begin(wait_s=0.0)
+            assert engine_thread.kept_apart and engine_thread.per_token_ms(lent=True) == 30.0
+            assert await engine_thread.run(forward, 10.0) == 2  # the lender idle: lent
+            assert (engine_thread.per_token_ms(lent=True), engine_thread.per_token_ms(lent=False)) == (20.0, 30.0)
+            verify.begin(wait_s=0.0)  # the lender busy: its own thread
             assert await engine_thread.run(forward, 40.0) == 1
-            assert (stats.step_ms, stats.prefill_ms_per_token) == (12.0, 1.2)  # unlent, after a lent one: not moved
+            assert (engine_thread.per_token_ms(lent=True), engine_thread.per_token_ms(lent=False)) == (20.0, 35.0)
             verify.end()
-            assert await engine_thread.run(forward, 14.0) == 2
-            assert stats.step_ms == 14.0
+            assert await engine_thread.run(forward, 10.0) == 2
+            assert (engine_thread.per_token_ms(lent=True), engine_thread.per_token_ms(lent=False)) == (15.0, 35.0)
+            assert stats.prefill_ms_per_token == 3.0
         finally:
             engine_thread.shutdown()
 
