@@ -159,8 +159,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         interval_ms = self._stream_interval_ms(request)
         source = self._answer(request, mode, drafter_kind, prompt_ids, params, calls, failovers, choice.reason, encoder_ids,
                               interval_ms)
-        # the next round runs while this one is written; the main stream's messages are joined as they wait
-        joinable = mode != "skeleton"
+        # the next round runs while this one is written; with an interval, the main stream's messages are joined
+        joinable = mode != "skeleton" and interval_ms > 0
         responses = read_ahead(source, READ_AHEAD_RESPONSES, merge=_join_responses if joinable else None,
                                interval_s=interval_ms / 1e3 if joinable else 0.0, urgent=is_final)
         started_s = time.perf_counter()
