@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.sim_validate import process_cpu_s  # noqa: E402
 from client.cluster import Cluster, load_cluster_config  # noqa: E402
 from client.coordinator_client import CoordinatorClient  # noqa: E402
 from client.demo import CHAT_PROMPT, GROUNDED_PROMPT  # noqa: E402
@@ -41,12 +42,6 @@ from specmesh.decoding.sampling import SamplingParams  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 SETTLE_S = 0.5  # before each timed request: the other side's idle OpenMP threads stop spinning
 LINES = {"chat": (CHAT_PROMPT, "bf16", "service"), "passage": (GROUNDED_PROMPT, "ngram", "ngram")}
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of every thread of `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def cluster_request(client: CoordinatorClient, prompt: str, drafter: str, new_tokens: int,

@@ -176,20 +176,3 @@ async def measure_when_lent(engine_thread, engine, tries: int = 40, interval_s: 
             continue
         await asyncio.sleep(interval_s)
     return bool(timings)
-
-    def timed_if_lent() -> bool:
-        if engine_thread.threads_now <= engine_thread.num_threads:
-            return False
-        timings = []
-        for _ in range(LENT_TIMINGS):
-            engine.stats.step_ms = engine.stats.prefill_ms_per_token = None  # timed afresh, not averaged in
-            measure_step(engine)
-            timings.append((engine.stats.step_ms, engine.stats.prefill_ms_per_token))
-        engine.stats.step_ms, engine.stats.prefill_ms_per_token = min(timings, key=lambda t: t[0] or 0.0)
-        return True
-
-    for _ in range(tries):
-        if await engine_thread.run(timed_if_lent):
-            return True
-        await asyncio.sleep(interval_s)
-    return False
