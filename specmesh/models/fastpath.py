@@ -72,10 +72,15 @@ def library() -> ctypes.CDLL | None:
     try:
         if shutil.which(compiler) is None:
             raise RuntimeError(f"no C++ compiler {compiler!r} on PATH")
-        lib = ctypes.CDLL(str(build(compiler, specmesh_home() / "kernels", sources=[SOURCE], name="fastpath")))
+        return load(build(compiler, specmesh_home() / "kernels", sources=[SOURCE], name="fastpath"))
     except (OSError, RuntimeError) as exc:
         warnings.warn(f"CPU fast path unavailable, using the torch forward: {exc}", RuntimeWarning, stacklevel=2)
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A build of fastpath.cpp (`library`'s, or one for another instruction set: the tests'), its entries typed."""
+    lib = ctypes.CDLL(str(path))
     for entry in (lib.fastpath_forward, lib.fastpath_forward_bf16):
         entry.argtypes = [_P, ctypes.c_float, ctypes.c_float, _P, _P, _P, _P, _INT]
         entry.restype = None
@@ -130,10 +135,12 @@ def eligible(config, dtype: torch.dtype, device: torch.device, kernel: str, has_
 def long_prefill_on_fast_path(key: str, measure: Callable[[], tuple[float, float] | None]) -> bool:
     """Whether float32 forwards of more than MAX_ROWS rows that `serves` takes (prefills of short prompts, alone
     or batched) go to the fast path on this machine, or to the torch path's oneDNN matmuls. Which is faster
-    depends on the CPU: on an AVX2 VM the fast path (16 prompts' prefill 2.1-2.7 s against 2.8-3.5), on an
-    AVX-512 Xeon oneDNN's (16 prompts of 60 tokens 0.89 s against 1.47, one of 64 tokens 89 ms against 106).
-    So it is measured, once per machine and model shape (`key`), by `measure` -> (fast s, torch s), and
-    remembered under $SPECMESH_HOME/kernels: a machine keeps its choice, so its outputs stay reproducible
+    depends on the CPU: on an AVX2 VM the fast path (16 prompts' prefill 2.1-2.7 s against 2.8-3.5); on an
+    AVX-512 Xeon oneDNN's while fastpath.cpp multiplied and added apart (16 prompts of 60 tokens 0.89 s against
+    1.47, one of 64 tokens 89 ms against 106), and since it fuses them the fast path (0.96 s against 0.96, one of
+    64 tokens 72 ms against 97).
+    So it is measured, once per machine, model shape (`key`) and build of fastpath.cpp, by `measure` -> (fast s,
+    torch s), and remembered under $SPECMESH_HOME/kernels: a machine keeps its choice, so its outputs stay reproducible
     across restarts (`measure` -> None: it could not measure; the fast path, not remembered).
     $SPECMESH_FASTPATH_PREFILL = fast | torch decides instead."""
     forced = os.environ.get(ENV_PREFILL, "")
@@ -144,7 +151,9 @@ def long_prefill_on_fast_path(key: str, measure: Callable[[], tuple[float, float
     from specmesh.models.lowbit.kernel import cpu_flags
     from specmesh.models.resolve import specmesh_home
 
-    key = hashlib.sha1(f"{key}|{cpu_flags()}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+    lib = library()  # its file name carries the build's hash: a changed kernel is measured afresh
+    build = Path(lib._name).name if lib is not None else ""
+    key = hashlib.sha1(f"{key}|{cpu_flags()}|{torch.get_num_threads()}|{build}".encode()).hexdigest()[:16]
     path = specmesh_home() / "kernels" / "long-prefill.json"
     try:
         known = json.loads(path.read_text())

@@ -189,3 +189,37 @@ def test_the_measurement_of_long_prefills_leaves_the_engine_as_it_was(tiny_model
     fast_s, torch_s = engine._time_long_prefills()
     assert fast_s > 0 and torch_s > 0
     assert engine.num_free_blocks == free and vars(engine.stats) == stats and engine._long_prefill_fast is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_instruction_set_build_gives_the_same_numbers_bit_for_bit(tiny_model_dir, tmp_path, monkeypatch, dtype):
+    """The matmuls' multiply-adds are fused on every build (fastpath.cpp's `maddV`): AVX-512, AVX2 + FMA, and the
+    portable build without either (libm's fma, lane by lane) give the same logits, row tiles of every size
+    included (a decode step, chains of 5 and of 17 rows, a 40-token prefill)."""
+    from specmesh.models.lowbit.kernel import BUILDS, build
+
+    path = tiny_model_dir("smollm2", init_std=0.2, hidden_size=64)
+    monkeypatch.setattr(fastpath, "bf16_matmul_in_hardware", lambda: False)  # the prefill on the fast path too
+
+    def logits() -> list[torch.Tensor]:
+        engine = load_engine(path, dtype=dtype, block_size=4)
+        assert engine.model.fast is not None
+        vocab, seq = engine.vocab_size, engine.new_sequence()
+        out = engine.forward([SeqInput(seq, random_ids(vocab, 40, seed=21), list(range(40)))])
+        for length in (1, 5, 17):
+            out += engine.forward([SeqInput(seq, random_ids(vocab, length, seed=length), list(range(length)))])
+        return out
+
+    native = logits()
+    built = 0
+    for level in ("avx2", "portable"):
+        try:
+            lib = fastpath.load(build("g++", tmp_path / level, BUILDS[level], sources=[fastpath.SOURCE], name="fastpath"))
+        except (RuntimeError, OSError):
+            continue  # not an x86-64 compiler, or a CPU below this level
+        monkeypatch.setattr(fastpath, "library", lambda lib=lib: lib)
+        for got, want in zip(logits(), native, strict=True):
+            assert torch.equal(got, want), level
+        built += 1
+    if not built:
+        pytest.skip("cannot build fastpath.cpp for another instruction set here")
