@@ -103,7 +103,7 @@ def test_each_row_is_bit_identical_to_the_row_alone(tiny_model_dir, hidden_size,
     vocab = engine.vocab_size
     a, b = engine.new_sequence(), engine.new_sequence()
     engine.forward([SeqInput(a, random_ids(vocab, 30, seed=11), []), SeqInput(b, random_ids(vocab, 9, seed=12), [])])
-    for length in (6, 10, 16):  # row tiles: 6; 5 + 5; 6 + 5 + 5 (fastpath.cpp's gemv)
+    for length in (6, 10, 16, 20):  # row tiles (fastpath.cpp's gemv): AVX2 6; 5 + 5; 6 + 5 + 5; 4 x 5. AVX-512 6 x 2 panels; 10 x 2; 16 x 1; 7 + 7 + 6 x 2
         chain = random_ids(vocab, length, seed=13)
         together = engine.forward([SeqInput(a, chain, list(range(length)))])[0]
         keys_together = engine.cache.k[:, engine.cache.slot_tensor(a)].clone()
