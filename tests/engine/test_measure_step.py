@@ -22,7 +22,9 @@ def test_a_fresh_engine_knows_its_step_and_keeps_no_trace(tiny_model_dir):
     step_ms = measure_step(engine)
     assert step_ms is not None and step_ms > 0 and engine.stats.step_ms == step_ms
     assert engine.stats.prefill_ms_per_token is not None and engine.stats.prefill_ms_per_token > 0
-    assert dataclasses.replace(engine.stats, step_ms=None, prefill_ms_per_token=None) == before  # no forward counted
+    fixed_ms, ms_per_token = engine.stats.round_cost
+    assert fixed_ms >= 0 and ms_per_token >= 0 and fixed_ms + ms_per_token > 0
+    assert dataclasses.replace(engine.stats, step_ms=None, prefill_ms_per_token=None, round_cost=None) == before  # no forward counted
     assert engine.kv_usage().free_blocks == free
 
 
@@ -55,3 +57,19 @@ def test_a_one_sequence_prefill_records_what_a_token_of_it_costs(tiny_model_dir)
     engine.forward([SeqInput(first, list(range(1, 20)), logits_at=[18])])
     assert engine.stats.prefill_ms_per_token is not None and engine.stats.prefill_ms_per_token > 0
     assert drafter.catch_up_ms_per_token == engine.stats.prefill_ms_per_token
+
+
+def test_a_verifier_prices_draft_tokens_from_the_measured_round_cost_before_any_round(tiny_model_dir):
+    """The fit starts from `round_cost` (seeded when first asked, even if measured after the verifier was made),
+    so a first draft is priced by what chains cost here, and one slow probe moves it only part of the way."""
+    engine = load_engine(tiny_model_dir("llama"), dtype="float64")
+    verifier = TargetVerifier(engine)
+    assert verifier.forward_cost() is None  # nothing measured, no rounds
+    measure_step(engine)
+    engine.stats.round_cost = (20.0, 1.0)  # (a stand-in for this machine's figure: the test fixes it)
+    cost = verifier.forward_cost()
+    assert cost is not None and abs(cost.fixed_ms - 20.0) < 1e-9 and abs(cost.ms_per_token - 1.0) < 1e-9
+    for tokens, ms in [(1, 21.0), (2, 27.0), (1, 21.0)]:  # a probe's two-token forward read 6 ms a token
+        verifier._round_costs.observe(tokens, ms)
+    cost = verifier.forward_cost()
+    assert 0.5 < cost.ms_per_token < 2.0, cost  # without the seed: 6.0
