@@ -7,7 +7,8 @@ the attention over the paged cache (reading each row's keys through its block ta
 the KV writes and the lm head in one ctypes call, its threads splitting each matmul's outputs. Its matrices
 are packed once into panels of 16 outputs (`packed`), so each input value meets a panel's weights in fused
 multiply-adds with no horizontal sums: one row streams the weights at the memory's pace, and a batch of rows
-(16 sessions' decode steps, a verify chain) reuses each loaded panel across up to 6 rows. The packed copies
+(16 sessions' decode steps, a verify chain) reuses each loaded panel across a tile of rows (up to 6 with AVX2,
+16 with AVX-512; fastpath.cpp's gemv). The packed copies
 sit beside the torch path's weights (long prefills use those): the fast path doubles a float32 model's memory.
 
 Used by `NativeEngine.forward` for a batch of at most `MAX_ROWS` new tokens (decode steps, verify chains and
