@@ -156,7 +156,7 @@ async def measure_when_lent(engine_thread, engine, tries: int = 40, interval_s: 
 
     if engine_thread.core_share is None or not engine_thread.core_share.borrow_threads:
         return False
-    timings: list[tuple[float, float | None, tuple[float, float] | None]] = []
+    timings: list[tuple[float, float | None, tuple[tuple[int, float], ...] | None]] = []
 
     def timed_if_lent() -> bool:
         if engine_thread.threads_now <= engine_thread.num_threads:
@@ -164,8 +164,8 @@ async def measure_when_lent(engine_thread, engine, tries: int = 40, interval_s: 
         engine.stats.step_ms = engine.stats.prefill_ms_per_token = None  # timed afresh, not averaged in
         measure_step(engine)
         if engine.stats.step_ms is not None:
-            timings.append((engine.stats.step_ms, engine.stats.prefill_ms_per_token, engine.stats.round_cost))
-            engine.stats.step_ms, engine.stats.prefill_ms_per_token, engine.stats.round_cost = min(timings, key=lambda t: t[0])
+            timings.append((engine.stats.step_ms, engine.stats.prefill_ms_per_token, engine.stats.round_timings))
+            engine.stats.step_ms, engine.stats.prefill_ms_per_token, engine.stats.round_timings = min(timings, key=lambda t: t[0])
         return True
 
     for _ in range(tries):

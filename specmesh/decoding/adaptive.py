@@ -19,7 +19,7 @@ of the average (a round of 4 accepted moves it as far as 4 probes of 1 would).
 
 Under load the prior beta is wrong. A batched verify forward of N tokens costs about A + B * N ms
 (A: reading the weights, B: compute per token; `TargetVerifier` fits both with a `LinearCostFit` over
-its rounds' forwards, starting from the engine's measured chains (`EngineStats.round_cost`), which the
+its rounds' forwards, starting from the engine's measured chains (`EngineStats.round_timings`), which the
 Verify service reports with each round as a `ForwardCost` and the in-process loop passes on). Maximising the batch's tokens per ms, each
 of n sessions should count its share of the forward, A / n + B * (1 + k): so beta = B / (A / n + B).
 One session on a GPU: A >> B, beta ~ 0 (draft long). Sixteen sessions on a CPU, which is compute-bound
@@ -115,13 +115,12 @@ class LinearCostFit:
         self._xx = d * self._xx + tokens * tokens
         self._xy = d * self._xy + tokens * ms
 
-    def seed(self, fixed_ms: float, ms_per_token: float, tokens: Sequence[int], weight: float) -> None:
-        """Start from a measured cost (`EngineStats.round_cost`): `weight` observations of it at each of `tokens`,
-        which the forwards observed after outweigh as they come (the sums decay). Without it the first rounds
+    def seed(self, timings: Sequence[tuple[int, float]], weight: float) -> None:
+        """Start from measured forwards (`EngineStats.round_timings`: (tokens, ms) each), `weight` observations of
+        each, which the forwards observed after outweigh as they come (the sums decay). Without it the first rounds
         decide alone: a probe's two-token forwards read as 4.1-4.7 ms a token where chains of 5-9 cost 1.4,
         a beta of 0.25 that kept a bf16 self-draft from ever drafting again."""
-        for count in tokens:
-            ms = fixed_ms + ms_per_token * count
+        for count, ms in timings:
             self._w += weight
             self._x += weight * count
             self._y += weight * ms

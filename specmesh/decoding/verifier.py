@@ -117,9 +117,8 @@ def validate_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int
 
 
 TRUNK_MIN_TOKENS = 8  # a common head of children's appends at least this long is prefilled once (`fork`)
-# the engine's measured round cost (`EngineStats.round_cost`) enters the verifier's fit as this many observations
-# at each of these token counts: about 4 requests' worth of probes before rounds outweigh it
-ROUND_COST_SEED_TOKENS = (1, 5, 9)
+# each of the engine's measured forwards (`EngineStats.round_timings`) enters the verifier's fit as this many
+# observations: about 4 requests' worth of probes before rounds outweigh them
 ROUND_COST_SEED_WEIGHT = 4.0
 
 
@@ -192,23 +191,22 @@ class TargetVerifier:
         # forward ms ~ fixed + per token * tokens over verify rounds (not prefills): the cost a draft token
         # adds, which adaptive k weighs (on a compute-bound low-bit CPU target it is far from the prior)
         self._round_costs = LinearCostFit(min_spread_tokens=0.3)
-        self._round_costs_seeded = False  # with the engine's measured round cost (`forward_cost`)
+        self._round_costs_seeded = False  # with the engine's measured forwards (`forward_cost`)
         # False while forwards run with more threads than the caller's verify rounds get (a Verify service
         # borrowing the Draft service's cores for plain Runs): those would read as cheap tokens beside dear ones
         self.fit_round_costs = True
 
     def forward_cost(self, batch_size: int = 1) -> ForwardCost | None:
-        """The fitted cost of this engine's verify forwards: from the engine's measured `round_cost` on, rounds
+        """The fitted cost of this engine's verify forwards: from the engine's measured `round_timings` on, rounds
         observed folded in (None while neither is known: no measurement, and no rounds of different sizes)."""
         self._seed_round_costs()
         return self._round_costs.cost(batch_size)
 
     def _seed_round_costs(self) -> None:
-        """Seed the fit once the engine's cost is measured (`measure_step` may run after this verifier is made)."""
-        measured = None if self._round_costs_seeded else getattr(self.engine.stats, "round_cost", None)
+        """Seed the fit once the engine's forwards are measured (`measure_step` may run after this verifier is made)."""
+        measured = None if self._round_costs_seeded else getattr(self.engine.stats, "round_timings", None)
         if measured is not None:
-            fixed_ms, ms_per_token = measured
-            self._round_costs.seed(fixed_ms, ms_per_token, tokens=ROUND_COST_SEED_TOKENS, weight=ROUND_COST_SEED_WEIGHT)
+            self._round_costs.seed(measured, weight=ROUND_COST_SEED_WEIGHT)
             self._round_costs_seeded = True
 
     def max_draft_tokens(self, session: TargetSession) -> int:

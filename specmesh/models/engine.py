@@ -87,10 +87,10 @@ class EngineStats:
     # wall ms per token of a one-sequence forward of PREFILL_STAT_TOKENS or more (a prefill chunk), averaged the
     # same way: what a drafter's catch-up on tokens it was not told costs here (`AdaptiveK.prior_costs`)
     prefill_ms_per_token: float | None = None
-    # (fixed ms, ms per token) of a verify forward of a few new tokens on a short context, fitted over chains of 1,
-    # ROUND_STAT_TOKENS tokens by `measure_step`; None until measured. What a draft token adds to a round here,
-    # before rounds of different sizes have run (`TargetVerifier.forward_cost`)
-    round_cost: tuple[float, float] | None = None
+    # ((tokens, wall ms), ...) of forwards of 1 and ROUND_STAT_TOKENS new tokens on a short context, timed by
+    # `measure_step` as a verify round is; None until measured. What a draft token adds to a round here, before
+    # rounds of different sizes have run (`TargetVerifier.forward_cost` starts its fit from them)
+    round_timings: tuple[tuple[int, float], ...] | None = None
 
     def record_step(self, ms: float, weight: float = 0.2) -> None:
         self.step_ms = _moving_average(self.step_ms, ms, weight)
@@ -104,7 +104,7 @@ def _moving_average(old: float | None, new: float, weight: float) -> float:
 
 
 PREFILL_STAT_TOKENS = 8  # one-sequence forwards of this many tokens or more count as prefill (`EngineStats`)
-ROUND_STAT_TOKENS = (5, 9)  # the verify chains `measure_step` times beside one-token steps (`EngineStats.round_cost`)
+ROUND_STAT_TOKENS = (5, 9)  # the verify chains `measure_step` times beside one-token steps (`EngineStats.round_timings`)
 
 
 class Engine(Protocol):
@@ -148,13 +148,12 @@ def measure_step(engine: Engine, num_steps: int = 3) -> float | None:
     """Time `num_steps` one-token forwards of a scratch sequence (freed after; the first, which may
     pay one-off set-up, is not timed) so `engine.stats.step_ms`, the fastest of them, is known before the
     first generation: the prior that lets a k policy skip a drafter that cannot pay here from its first
-    round (`AdaptiveK.prior_costs`); then verify chains of ROUND_STAT_TOKENS tokens on it, the fastest of
-    two each, for `round_cost` (fixed ms + ms per token, fitted with the step: what a draft token adds to
-    a round); then one scratch prefill of 2 * PREFILL_STAT_TOKENS tokens for `prefill_ms_per_token` (what
-    a drafter's catch-up costs per token). The fastest, not an average: a shared machine's noise only
-    adds, and one slow step priced a bf16 self-draft at 13.1 ms where its steps take 10.8-11.3, which
-    decided that it could never pay. The scratch forwards are not counted in the other stats. None for a
-    backend that does not time its steps."""
+    round (`AdaptiveK.prior_costs`); then forwards of 1 and ROUND_STAT_TOKENS tokens on it, the fastest of
+    two each, for `round_timings` (what a draft token adds to a round); then one scratch prefill of
+    2 * PREFILL_STAT_TOKENS tokens for `prefill_ms_per_token` (what a drafter's catch-up costs per token).
+    The fastest, not an average: a shared machine's noise only adds, and one slow step priced a bf16
+    self-draft at 13.1 ms where its steps take 10.8-11.3, which decided that it could never pay. The
+    scratch forwards are not counted in the other stats. None for a backend that does not time its steps."""
     if engine.backend != "native":
         return None
     kept = dataclasses.replace(engine.stats)
@@ -167,7 +166,7 @@ def measure_step(engine: Engine, num_steps: int = 3) -> float | None:
             if i > 0 and engine.stats.step_ms is not None:
                 steps.append(engine.stats.step_ms)
         engine.stats.step_ms = min(steps, default=kept.step_ms)
-        engine.stats.round_cost = _time_rounds(engine, seq_id)
+        engine.stats.round_timings = _time_rounds(engine, seq_id)
     finally:
         engine.free(seq_id)
     seq_id = engine.new_sequence()
@@ -175,16 +174,15 @@ def measure_step(engine: Engine, num_steps: int = 3) -> float | None:
         engine.forward([SeqInput(seq_id, [0] * (2 * PREFILL_STAT_TOKENS), logits_at=[2 * PREFILL_STAT_TOKENS - 1])])
     finally:
         engine.free(seq_id)
-    for name in (f.name for f in dataclasses.fields(kept) if f.name not in ("step_ms", "prefill_ms_per_token", "round_cost")):
+    for name in (f.name for f in dataclasses.fields(kept) if f.name not in ("step_ms", "prefill_ms_per_token", "round_timings")):
         setattr(engine.stats, name, getattr(kept, name))
     return engine.stats.step_ms
 
 
-def _time_rounds(engine: Engine, seq_id: int) -> tuple[float, float]:
-    """(fixed ms, ms per token): least squares over forwards of 1 and ROUND_STAT_TOKENS tokens fed to `seq_id`
-    (each the fastest of two, rolled back after; every row's logits asked for, as a verify forward asks),
-    timed around `forward` as `TargetVerifier` times its rounds. The engine's own per-token times stay as
-    they were."""
+def _time_rounds(engine: Engine, seq_id: int) -> tuple[tuple[int, float], ...]:
+    """((tokens, ms), ...) of forwards of 1 and ROUND_STAT_TOKENS tokens fed to `seq_id` (each the fastest of two,
+    rolled back after; every row's logits asked for, as a verify forward asks), timed around `forward` as
+    `TargetVerifier` times its rounds. The engine's own per-token times stay as they were."""
     kept = engine.stats.step_ms, engine.stats.prefill_ms_per_token
     length = engine.seq_len(seq_id)
     points = []
@@ -197,8 +195,4 @@ def _time_rounds(engine: Engine, seq_id: int) -> tuple[float, float]:
             engine.truncate(seq_id, length)
         points.append((tokens, best))
     engine.stats.step_ms, engine.stats.prefill_ms_per_token = kept
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
-    slope = max(0.0, slope)
-    return max(0.0, mean_y - slope * mean_x), slope
+    return tuple(points)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from specmesh.decoding.adaptive import AdaptiveK
+from specmesh.decoding.adaptive import AdaptiveK, LinearCostFit
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
 from specmesh.drafters.model import ModelDrafter
-from specmesh.models.engine import PREFILL_STAT_TOKENS, SeqInput, measure_step
+from specmesh.models.engine import PREFILL_STAT_TOKENS, ROUND_STAT_TOKENS, SeqInput, measure_step
 from specmesh.models.load import load_engine
 
 
@@ -22,9 +22,13 @@ def test_a_fresh_engine_knows_its_step_and_keeps_no_trace(tiny_model_dir):
     step_ms = measure_step(engine)
     assert step_ms is not None and step_ms > 0 and engine.stats.step_ms == step_ms
     assert engine.stats.prefill_ms_per_token is not None and engine.stats.prefill_ms_per_token > 0
-    fixed_ms, ms_per_token = engine.stats.round_cost
+    timings = engine.stats.round_timings
+    assert [tokens for tokens, _ in timings] == [1, *ROUND_STAT_TOKENS] and all(ms > 0 for _, ms in timings)
+    fit = LinearCostFit()
+    fit.seed(timings, weight=1.0)
+    fixed_ms, ms_per_token = fit.estimate()
     assert fixed_ms >= 0 and ms_per_token >= 0 and fixed_ms + ms_per_token > 0
-    assert dataclasses.replace(engine.stats, step_ms=None, prefill_ms_per_token=None, round_cost=None) == before  # no forward counted
+    assert dataclasses.replace(engine.stats, step_ms=None, prefill_ms_per_token=None, round_timings=None) == before  # no forward counted
     assert engine.kv_usage().free_blocks == free
 
 
@@ -60,13 +64,13 @@ def test_a_one_sequence_prefill_records_what_a_token_of_it_costs(tiny_model_dir)
 
 
 def test_a_verifier_prices_draft_tokens_from_the_measured_round_cost_before_any_round(tiny_model_dir):
-    """The fit starts from `round_cost` (seeded when first asked, even if measured after the verifier was made),
+    """The fit starts from `round_timings` (seeded when first asked, even if measured after the verifier was made),
     so a first draft is priced by what chains cost here, and one slow probe moves it only part of the way."""
     engine = load_engine(tiny_model_dir("llama"), dtype="float64")
     verifier = TargetVerifier(engine)
     assert verifier.forward_cost() is None  # nothing measured, no rounds
     measure_step(engine)
-    engine.stats.round_cost = (20.0, 1.0)  # (a stand-in for this machine's figure: the test fixes it)
+    engine.stats.round_timings = ((1, 21.0), (5, 25.0), (9, 29.0))  # 20 ms + 1 a token (stand-ins for this machine's)
     cost = verifier.forward_cost()
     assert cost is not None and abs(cost.fixed_ms - 20.0) < 1e-9 and abs(cost.ms_per_token - 1.0) < 1e-9
     for tokens, ms in [(1, 21.0), (2, 27.0), (1, 21.0)]:  # a probe's two-token forward read 6 ms a token
