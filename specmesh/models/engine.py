@@ -99,8 +99,16 @@ class EngineStats:
         self.prefill_ms_per_token = _moving_average(self.prefill_ms_per_token, ms / tokens, weight)
 
 
+# a timing taken in is at most this times the average: on a shared machine a forward is slowed (another
+# process's burst, a core taken away), never sped up, so one slow timing moves the average by 5% at most
+# (weight 0.2), where uncapped a forward twice the usual moved it 20%: a bf16 self-draft's step went 9.6 ->
+# 11.5 ms and a cluster's requests were priced below the draft gate (`AdaptiveK.could_pay`) and decoded
+# plainly, 1.5x the time. A lasting slowdown still comes through, compounding 5% a forward
+SLOW_TIMING_CAP = 1.25
+
+
 def _moving_average(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else (1 - weight) * old + weight * new
+    return new if old is None else (1 - weight) * old + weight * min(new, SLOW_TIMING_CAP * old)
 
 
 PREFILL_STAT_TOKENS = 8  # one-sequence forwards of this many tokens or more count as prefill (`EngineStats`)

@@ -77,3 +77,21 @@ def test_a_verifier_prices_draft_tokens_from_the_measured_round_cost_before_any_
         verifier._round_costs.observe(tokens, ms)
     cost = verifier.forward_cost()
     assert 0.5 < cost.ms_per_token < 2.0, cost  # without the seed: 6.0
+
+
+def test_one_slow_forward_barely_moves_the_step_a_lasting_slowdown_does():
+    """A forward slowed by another process (twice the usual) moves the average by 5%, not 20%: such a
+    timing is taken in capped; faster ones, and a slowdown that lasts, come through."""
+    from specmesh.models.engine import SLOW_TIMING_CAP, EngineStats
+
+    stats = EngineStats(step_ms=10.0)
+    stats.record_step(20.0)
+    assert abs(stats.step_ms - (0.8 * 10.0 + 0.2 * SLOW_TIMING_CAP * 10.0)) < 1e-9 and stats.step_ms < 10.6
+    stats.record_step(5.0)
+    assert abs(stats.step_ms - (0.8 * 10.5 + 0.2 * 5.0)) < 1e-9
+    for _ in range(40):
+        stats.record_step(20.0)
+    assert stats.step_ms > 19.0
+    stats.record_prefill(300.0, 10)
+    stats.record_prefill(600.0, 10)
+    assert abs(stats.prefill_ms_per_token - (0.8 * 30.0 + 0.2 * SLOW_TIMING_CAP * 30.0)) < 1e-9

@@ -121,11 +121,11 @@ def test_lent_and_unlent_jobs_per_token_times_are_kept_apart(board_path):
             assert await engine_thread.run(forward, 10.0) == 2  # the lender idle: lent
             assert (engine_thread.per_token_ms(lent=True), engine_thread.per_token_ms(lent=False)) == (20.0, 30.0)
             verify.begin(wait_s=0.0)  # the lender busy: its own thread
-            assert await engine_thread.run(forward, 40.0) == 1
-            assert (engine_thread.per_token_ms(lent=True), engine_thread.per_token_ms(lent=False)) == (20.0, 35.0)
+            assert await engine_thread.run(forward, 36.0) == 1
+            assert (engine_thread.per_token_ms(lent=True), engine_thread.per_token_ms(lent=False)) == (20.0, 33.0)
             verify.end()
             assert await engine_thread.run(forward, 10.0) == 2
-            assert (engine_thread.per_token_ms(lent=True), engine_thread.per_token_ms(lent=False)) == (15.0, 35.0)
+            assert (engine_thread.per_token_ms(lent=True), engine_thread.per_token_ms(lent=False)) == (15.0, 33.0)
             assert stats.prefill_ms_per_token == 3.0
         finally:
             engine_thread.shutdown()
