@@ -277,7 +277,10 @@ class TargetVerifier:
             num_fed = sum(len(item.token_ids) for item in inputs)
             if self.fit_round_costs and num_fed == sum(1 + proposal.num_tokens for proposal in proposals):  # rounds only
                 self._seed_round_costs()
-                self._round_costs.observe(num_fed, (time.perf_counter() - start) * 1e3)
+                ms = (time.perf_counter() - start) * 1e3
+                self._round_costs.observe(num_fed, ms)
+                if len(sessions) == 1 and num_fed > 1:
+                    self._record_chain_as_step(num_fed, ms)
         logits = [rows if s.constraint is None else s.constraint.constrain(rows, pr)
                   for s, pr, rows in zip(sessions, proposals, logits)]
         outcomes = accept_batch(logits, proposals, [s.params for s in sessions], [s.generator for s in sessions],
@@ -314,6 +317,18 @@ class TargetVerifier:
         if keep_logits:
             outcome.logits = rows[outcome.judging_rows]
         return outcome
+
+    def _record_chain_as_step(self, num_fed: int, ms: float) -> None:
+        """A lone session's verify chain of `num_fed` tokens, as the one-token step it implies at the fitted
+        costs, into the engine's step: where every round drafts no one-token forward runs, and the step a
+        caller prices its next request's drafts against (`AdaptiveK.prior_costs`) went stale while the
+        machine's load moved (measured: a bf16 self-draft's fresh 12.4 ms against the Verify service's 17.6
+        from before the load, where steps took 24: the request was priced below the draft gate and decoded
+        plainly). The engine caps what one timing moves (`EngineStats`)."""
+        cost = self._round_costs.cost(1)
+        if cost is not None and cost.fixed_ms + cost.ms_per_token > 0:
+            one = cost.fixed_ms + cost.ms_per_token
+            self.engine.stats.record_step(ms * one / (cost.fixed_ms + cost.ms_per_token * num_fed))
 
     def _record_step(self, launched: _Ahead) -> None:
         """A launched forward's outcome is read: its step took at most the time since it was launched, or

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from specmesh.decoding.adaptive import AdaptiveK, LinearCostFit
+from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import generate
 from specmesh.decoding.verifier import TargetVerifier
@@ -95,3 +98,18 @@ def test_one_slow_forward_barely_moves_the_step_a_lasting_slowdown_does():
     stats.record_prefill(300.0, 10)
     stats.record_prefill(600.0, 10)
     assert abs(stats.prefill_ms_per_token - (0.8 * 30.0 + 0.2 * SLOW_TIMING_CAP * 30.0)) < 1e-9
+
+
+def test_verify_chains_keep_the_step_current_where_no_one_token_forward_runs(tiny_model_dir):
+    """Rounds that all draft run no one-token forward; each lone chain's forward, scaled by the fitted
+    costs to the step it implies, moves the engine's step, so a step measured on a quieter machine
+    (here: a quarter of the real one) does not stay to price the next request's drafts."""
+    engine = load_engine(tiny_model_dir("llama"), dtype="float64")
+    measured = measure_step(engine)
+    verifier = TargetVerifier(engine)
+    session = verifier.open(list(range(3, 23)), SamplingParams(temperature=0.0, max_new_tokens=400), torch.Generator())
+    stale = engine.stats.step_ms = measured / 4
+    for _ in range(40):
+        verifier.verify(session, DraftProposal(token_ids=[5, 6, 7, 8]))
+    assert engine.stats.step_ms > 2 * stale
+    verifier.close(session)
