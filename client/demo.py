@@ -121,11 +121,12 @@ async def _through_the_coordinator(address: str, runs: list[Run], generator) -> 
                     in_process_s.append(_in_process_s(generator, run))
             same = "identical" if result.text == run.text else "DIFFERENT"
             num_tokens = len(result.token_ids)
-            ratio = statistics.median(c / i for c, i in zip(cluster_s, in_process_s, strict=True))
+            ratios = sorted(c / i for c, i in zip(cluster_s, in_process_s, strict=True))
             print(f"  -> in-process {num_tokens / statistics.median(in_process_s):.1f} tok/s vs cluster "
                   f"{num_tokens / statistics.median(cluster_s):.1f} tok/s (medians of {CLUSTER_PAIRS} pairs, each pair's "
-                  f"two requests back to back): the cluster takes {ratio:.2f}x the in-process wall time per token "
-                  f"(the median pair's); output {same} to in-process")
+                  f"two requests back to back): the cluster takes {statistics.median(ratios):.2f}x the in-process wall "
+                  f"time per token (the median pair's; the pairs' {ratios[0]:.2f}x-{ratios[-1]:.2f}x); output {same} "
+                  "to in-process")
         stats = await client.stats()
         print(f"\ncoordinator totals: {stats.num_requests} requests, {stats.num_generated_tokens} tokens, acceptance "
               f"{stats.totals.acceptance_rate:.0%}, mean accepted length {stats.totals.mean_accepted_length:.2f}; replicas: "
