@@ -13,9 +13,10 @@ every token it has not seen (the plain rounds' tokens; the prompt, if it never d
 process has measured of its engines (`prior_costs`) choose the first k, so a drafter that cannot pay on
 this hardware (a bf16 self-draft through the torch path on a CPU, say) is never run.
 
-Estimates are exponential moving averages. The acceptance estimate treats a round as a run of
-Bernoulli trials: n accepted of k drafted is n successes and (n < k) one failure, each trial one step
-of the average (a round of 4 accepted moves it as far as 4 probes of 1 would).
+Cost estimates are exponential moving averages. The acceptance estimate treats a round as a run of
+Bernoulli trials: n accepted of k drafted is n successes and (n < k) one failure, and it is the share of
+successes among the trials, each older trial discounted (`acceptance_memory`), the prior counting as a
+few trials (a round of 4 accepted moves it as far as 4 probes of 1 would).
 
 Under load the prior beta is wrong. A batched verify forward of N tokens costs about A + B * N ms
 (A: reading the weights, B: compute per token; `TargetVerifier` fits both with a `LinearCostFit` over
@@ -177,7 +178,11 @@ class AdaptiveK:
     k_min: int = 1
     k_max: int = 16
     allow_zero: bool = True  # may fall back to plain decoding when drafting does not pay
-    ema_weight: float = 0.3  # weight of the newest observation
+    ema_weight: float = 0.3  # weight of the newest observation (of a cost)
+    # `acceptance` is the share accepted of the draft tokens judged, each older verdict discounted by this
+    # factor a token (a memory of about ten), the prior counting as `acceptance_prior_trials` tokens
+    acceptance_memory: float = 0.9
+    acceptance_prior_trials: float = 2.0
     beta: float = 0.1  # verify cost growth per verified token: the prior, until a round reports its ForwardCost
     probe_every: int = 8  # rounds at k = 0 before the first probe; doubles after each failed probe
     max_probe_every: int = 64  # ... up to this many (a drafter that never helps costs one probe per 64 rounds)
@@ -187,6 +192,7 @@ class AdaptiveK:
         if not 1 <= self.k_min <= self.k_init <= self.k_max:
             raise ValueError(f"need 1 <= k_min <= k_init <= k_max, got {self.k_min}, {self.k_init}, {self.k_max}")
         self.acceptance = 0.7  # prior until rounds are observed
+        self._trials = self.acceptance_prior_trials  # the verdicts `acceptance` stands on, discounted (`update`)
         self._beta_measured = False  # beta is still the prior
         self.draft_ms_per_token: float | None = None
         self.decode_ms: float | None = None  # v1
@@ -288,11 +294,16 @@ class AdaptiveK:
             if fitted is not None:
                 self.beta, self._beta_measured = fitted.beta(), True
         if num_drafted > 0:
-            # each trial is one EMA step: n successes move a to 1 - (1 - a)(1 - w)^n, a failure scales it by 1 - w
-            keep = 1 - self.ema_weight
-            self.acceptance = 1 - (1 - self.acceptance) * keep**num_accepted
-            if num_accepted < num_drafted:
-                self.acceptance *= keep
+            # the token verdicts of the round (its accepted tokens, then the rejected one, if any) into the
+            # discounted share accepted. An exponential average of the verdicts (weight 0.3) halved a drafter's
+            # estimate in three tokens: one rejection after 30 accepted tokens sent it from 1.0 to 0.7 and k from
+            # 16 to 1, and a bf16 self-draft accepting 97% of its tokens spent five rounds climbing back (the demo's
+            # chat prompt: 14 target forwards where 12 would do). Here that rejection moves it to about 0.9;
+            # while few verdicts are in, each weighs more, so a first round's climb is as quick as before
+            for verdict in [1.0] * num_accepted + [0.0] * (num_accepted < num_drafted):
+                kept = self.acceptance_memory * self._trials
+                self._trials = kept + 1.0
+                self.acceptance = (kept * self.acceptance + verdict) / self._trials
             if catch_up and self.draft_ms_per_token is not None:
                 extra = max(0.0, draft_ms - num_drafted * self.draft_ms_per_token)
                 self.catch_up_ms_per_token = self._ema(self.catch_up_ms_per_token, extra / catch_up)
