@@ -206,6 +206,8 @@ class AdaptiveK:
         self.ahead_decode_ms: float | None = None  # v1 as drafting rounds measure it while the drafter runs beside
         self._ahead_fit = LinearCostFit(min_spread_tokens=0.5)  # those rounds' verify ms ~ fixed + per token * (k + 1)
         self._last_drafted = 0  # the round before's drafts: how far the drafter drafted ahead of this round
+        self._draft_cost_measured = False  # a drafting round of this generation timed a draft token (else: a prior)
+        self._prior_checked = False  # the probe `could_pay` allowed on prior costs alone was made (`may_probe`)
 
     def next_k(self) -> int:
         return self._k
@@ -249,6 +251,26 @@ class AdaptiveK:
         what the costs miss (measured: 0.87-0.98x plain on the held-out prompts, bench/never_costs.py)."""
         saved = self._most_saved_per_token()
         return saved is None or saved > self.min_gain * (self.decode_ms or 0.0)
+
+    def may_probe(self) -> bool:
+        """Whether a probe may come at k = 0: `could_pay`, or once a generation where only priors say it
+        cannot (no drafting round of this generation timed a draft token) and perfect drafts would still save
+        something at them. A prior is a figure the drafter's service timed earlier, perhaps while the machine
+        was busy (measured: a Draft service's lent step read 16.3 ms after the cluster's start and 12.6 after
+        a request's last forwards, where its forwards take 10; against an 18-20 ms target step the gate stayed
+        shut, and a plain request drafts nothing that could correct it: 4 of 5 cluster chat requests
+        decoded plainly, 1.4x the time). The probe's forwards refresh the drafter's figure
+        (`refresh_draft_cost`)."""
+        if self.could_pay():
+            return True
+        saved = self._most_saved_per_token()
+        return not (self._draft_cost_measured or self._prior_checked) and saved is not None and saved > 0
+
+    def refresh_draft_cost(self, ms_per_token: float | None) -> None:
+        """The drafter's own figure for a draft token now (its engine's recent one-token forwards), after a
+        round it drafted in: it replaces a prior no round of this generation has measured."""
+        if ms_per_token is not None and not self._draft_cost_measured and not self.drafts_ahead:
+            self.draft_ms_per_token = ms_per_token
 
     def _most_saved_per_token(self) -> float | None:
         """What an emitted token costs less than a plain step at best: every draft accepted, at the best k
@@ -314,6 +336,7 @@ class AdaptiveK:
                     self.ahead_overhead_ms = self._ema(self.ahead_overhead_ms, draft_ms - modelled)
             else:
                 self.draft_ms_per_token = self._ema(self.draft_ms_per_token, draft_ms / num_drafted)
+                self._draft_cost_measured = True
         step_ms = verify_ms / (1.0 + self.beta * num_drafted)
         if self.drafts_ahead and num_drafted > 0:  # the verify forward shares the machine with the drafting
             self.ahead_decode_ms = self._ema(self.ahead_decode_ms, step_ms)
@@ -337,7 +360,7 @@ class AdaptiveK:
         if self._k != 0:
             return 0
         due_in = self._probe_interval - self._rounds_at_zero
-        if due_in <= 0 or not self.could_pay():
+        if due_in <= 0 or not self.may_probe():
             return None
         return due_in
 
@@ -382,15 +405,20 @@ class AdaptiveK:
 
     def _choose(self, last_k: int, outlook: Outlook | None = None) -> int:
         best = self._best()
+        if best and self._prior_checked and not self.could_pay():  # the check confirmed the prior (`may_probe`): the
+            best = 0  # acceptance it measured would otherwise let a drafter run that the gate keeps off
         if self.drafts_ahead and last_k > 0:  # at most double: it drafted last_k ahead of the next round
             best = min(best, 2 * last_k)
         if best != 0:
             self._probe_interval = self.probe_every
         else:
             self._rounds_at_zero = self._rounds_at_zero + 1 if last_k == 0 else 1
-            if self._rounds_at_zero >= self._probe_interval and self.could_pay() and self.probe_pays(outlook):
+            if self._rounds_at_zero >= self._probe_interval and self.may_probe() and self.probe_pays(outlook):
                 self._rounds_at_zero = 0
                 self._probe_interval = min(2 * self._probe_interval, max(self.probe_every, self.max_probe_every))
+                if not self.could_pay():  # the check of a prior (`may_probe`): two drafts, so that the drafter
+                    self._prior_checked = True  # times a one-token forward after taking in what it was not told
+                    return min(self.k_max, max(self.k_min, 2))
                 return self.k_min
         return best
 

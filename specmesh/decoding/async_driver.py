@@ -232,6 +232,8 @@ async def _client_rounds(verifier: Any, session: Any, state: SpeculationState, d
             draft_ms = (time.perf_counter() - start) * 1e3
             if isinstance(state.k_policy, AdaptiveK) and (state.k_policy.drafts_ahead or drafted.ahead_forward_ms is not None):
                 state.k_policy.set_drafting_ahead(drafted.ahead_forward_ms is not None, drafted.ahead_forward_ms)  # off: a failover
+            if isinstance(state.k_policy, AdaptiveK) and isinstance(drafter, CostReporter):  # its figure after these forwards
+                state.k_policy.refresh_draft_cost(drafter.opened_ms_per_token(draft_state))
             proposal = step.take(drafted)
         if proposal.unverified:  # lossy, opt-in: an adaptive cascade stopped below the target
             await verifier.commit(session, proposal.token_ids)  # the next Verify carries them (forced_token_ids)

@@ -99,6 +99,8 @@ def speculative_stream(
                 start = time.perf_counter()
                 proposal = step.take(drafter.propose(draft_state, step.new_tokens, k, params, draft_generator))
                 draft_ms = (time.perf_counter() - start) * 1e3
+                if isinstance(state.k_policy, AdaptiveK):  # the drafter's figure after these forwards
+                    state.k_policy.refresh_draft_cost(getattr(drafter, "ms_per_token", None))
             if proposal.unverified:  # lossy, opt-in: the cascade stopped early; the target catches up next forward
                 verifier.append_unverified(session, proposal.token_ids)
                 yield state.record_unverified(proposal.token_ids, draft_ms)

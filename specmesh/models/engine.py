@@ -105,10 +105,17 @@ class EngineStats:
 # 11.5 ms and a cluster's requests were priced below the draft gate (`AdaptiveK.could_pay`) and decoded
 # plainly, 1.5x the time. A lasting slowdown still comes through, compounding 5% a forward
 SLOW_TIMING_CAP = 1.25
+# and a timing below the average is taken in at this weight at least: it is what the forward costs undisturbed.
+# A figure that read high (timed while the machine was busy) comes down in two forwards, not eight
+FAST_TIMING_WEIGHT = 0.5
 
 
 def _moving_average(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else (1 - weight) * old + weight * min(new, SLOW_TIMING_CAP * old)
+    if old is None:
+        return new
+    if new < old:
+        weight = max(weight, FAST_TIMING_WEIGHT)
+    return (1 - weight) * old + weight * min(new, SLOW_TIMING_CAP * old)
 
 
 PREFILL_STAT_TOKENS = 8  # one-sequence forwards of this many tokens or more count as prefill (`EngineStats`)

@@ -84,14 +84,15 @@ def test_a_verifier_prices_draft_tokens_from_the_measured_round_cost_before_any_
 
 def test_one_slow_forward_barely_moves_the_step_a_lasting_slowdown_does():
     """A forward slowed by another process (twice the usual) moves the average by 5%, not 20%: such a
-    timing is taken in capped; faster ones, and a slowdown that lasts, come through."""
-    from specmesh.models.engine import SLOW_TIMING_CAP, EngineStats
+    timing is taken in capped; faster ones (at weight FAST_TIMING_WEIGHT: a figure that read high comes down
+    in two forwards), and a slowdown that lasts, come through."""
+    from specmesh.models.engine import FAST_TIMING_WEIGHT, SLOW_TIMING_CAP, EngineStats
 
     stats = EngineStats(step_ms=10.0)
     stats.record_step(20.0)
     assert abs(stats.step_ms - (0.8 * 10.0 + 0.2 * SLOW_TIMING_CAP * 10.0)) < 1e-9 and stats.step_ms < 10.6
     stats.record_step(5.0)
-    assert abs(stats.step_ms - (0.8 * 10.5 + 0.2 * 5.0)) < 1e-9
+    assert abs(stats.step_ms - ((1 - FAST_TIMING_WEIGHT) * 10.5 + FAST_TIMING_WEIGHT * 5.0)) < 1e-9
     for _ in range(40):
         stats.record_step(20.0)
     assert stats.step_ms > 19.0

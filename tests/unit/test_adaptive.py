@@ -182,13 +182,18 @@ def test_a_drafter_whose_best_case_is_a_few_percent_is_not_run():
     """A bf16 self-draft at 0.7 of the target's step with verify forwards growing 14% a token: perfect
     drafts would save 15% of a step at best (k = 16), which what the costs miss eats (bench/never_costs.py
     measured 0.87-0.98x plain with such drafts on the held-out prompts): below `min_gain`, no round
-    drafts. The same drafter against a step slowed to 18 ms (memory contended) saves 34%, and probes."""
+    drafts, but for the one probe that checks the priors (`may_probe`), whose round times a draft token at
+    what the priors said. The same drafter against a step slowed to 18 ms (memory contended) saves 34%, and
+    probes."""
     fast = AdaptiveK(beta=0.14)
     fast.prior_costs(draft_ms_per_token=8.1, decode_ms=11.6)
     assert not fast.could_pay() and fast.next_k() == 0
+    ks = []
     for _ in range(100):
-        fast.update(0, 0, draft_ms=0.0, verify_ms=11.6)
-        assert fast.next_k() == 0
+        k = fast.next_k()
+        ks.append(k)
+        fast.update(k, k, draft_ms=8.1 * k, verify_ms=11.6 * (1 + 0.14 * k))
+    assert sorted(ks)[-2:] == [0, 2] and ks.index(2) == fast.probe_every  # one check, after a probe's plain rounds
     slow = AdaptiveK(beta=0.14, probe_every=2)
     slow.prior_costs(draft_ms_per_token=9.0, decode_ms=18.0)
     assert slow.could_pay()
@@ -386,3 +391,37 @@ def test_one_rejection_after_a_long_accepted_run_does_not_collapse_k():
             policy.update(4, accepted, 40.0, 20.0)
             estimates.append(policy.acceptance)
         assert sum(estimates[500:]) / len(estimates[500:]) == pytest.approx(rate, abs=0.05)
+
+
+def test_a_prior_that_shuts_the_gate_is_checked_once():
+    """A Draft service's figure timed while the machine was busy (16.3 ms, where its forwards take 10)
+    against an 18-20 ms target step shuts the gate (`could_pay`), and a request that decodes plainly
+    drafts nothing that could correct it. One probe of two drafts is made; the drafter's figure after its
+    forwards (`refresh_draft_cost`) opens the gate. A prior checked and confirmed is not probed again, and
+    a prior that says perfect drafts would save nothing is never probed."""
+    stale = AdaptiveK(beta=0.03)
+    stale.prior_costs(draft_ms_per_token=16.3, decode_ms=20.0)
+    assert not stale.could_pay() and stale.may_probe() and stale.next_k() == 0
+    assert stale.plain_rounds_ahead() == stale.probe_every  # a driver's plain stretch stops for the probe
+    ks = []
+    for _ in range(40):
+        k = stale.next_k()
+        ks.append(k)
+        if k:
+            stale.refresh_draft_cost(10.0)  # what the drafter's engine says after the probe's forwards
+        stale.update(k, k, draft_ms=10.0 * k + (30.0 if len(ks) == stale.probe_every + 1 else 0.0),
+                     verify_ms=20.0 * (1 + 0.03 * k), catch_up=stale.probe_every if len(ks) == stale.probe_every + 1 else 0)
+    assert ks[stale.probe_every] == 2 and sum(k > 0 for k in ks) > 25 and max(ks) > 4
+    confirmed = AdaptiveK(beta=0.03)
+    confirmed.prior_costs(draft_ms_per_token=16.3, decode_ms=20.0)
+    ks = []
+    for _ in range(100):
+        k = confirmed.next_k()
+        ks.append(k)
+        if k:
+            confirmed.refresh_draft_cost(16.3)
+        confirmed.update(k, k, draft_ms=16.3 * k, verify_ms=20.0 * (1 + 0.03 * k), catch_up=8 if k else 0)
+    assert sum(k > 0 for k in ks) == 1 and confirmed.plain_rounds_ahead() is None
+    hopeless = AdaptiveK(beta=0.03)
+    hopeless.prior_costs(draft_ms_per_token=21.0, decode_ms=20.0)
+    assert not hopeless.may_probe() and hopeless.plain_rounds_ahead() is None

@@ -172,3 +172,41 @@ def test_a_drafter_that_drafts_ahead_has_its_rounds_priced_so():
     policy = AdaptiveK()
     asyncio.run(generate_async(ReportingTarget(step_ms=28.0), stops, [1, 2, 3], params, k_policy=policy))
     assert len(stops.asked) > 1 and not policy.drafts_ahead
+
+
+
+class SleepingTarget(ReportingTarget):
+    """A verify forward takes `step_ms` (slept: rounds measure the costs the policy prices)."""
+
+    async def verify(self, session, proposal: DraftProposal):
+        await asyncio.sleep(self.step_ms / 1e3)
+        return await super().verify(session, proposal)
+
+
+class StaleDrafter(ReportingDrafter):
+    """Reports a draft token at `stale_ms` (timed on a busy machine) until its forwards, which take `ms`
+    each, time it afresh."""
+
+    def __init__(self, stale_ms: float, ms: float):
+        super().__init__(stale_ms)
+        self.ms = ms
+
+    async def propose(self, context, accepted_since_last, max_tokens):
+        await asyncio.sleep(self.ms * max_tokens / 1e3)
+        self.ms_per_token = self.ms
+        return await super().propose(context, accepted_since_last, max_tokens)
+
+
+@pytest.mark.parametrize("ms, drafts", [(2.0, True), (8.0, False)])
+def test_a_stale_report_that_shuts_the_gate_is_checked_by_one_probe(ms, drafts):
+    """A Draft service whose figure read high (8 ms against a 10 ms step: perfect drafts would save too
+    little, `AdaptiveK.could_pay`) is asked for one probe of two drafts; its figure after that Propose
+    (`CostReporter`) replaces the prior, and at 2 ms the request drafts from then on. Confirmed at 8 ms,
+    the request stays plain after the probe."""
+    params = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
+    drafter = StaleDrafter(8.0, ms)
+    events = asyncio.run(generate_async(SleepingTarget(step_ms=10.0), drafter, [1, 2, 3], params, k_policy=AdaptiveK()))
+    tokens = [t for event in events for t in event.token_ids]
+    assert tokens[:24] == _expected()
+    asked = [k for k in drafter.asked if k]
+    assert asked[0] == 2 and (len(asked) > 2) is drafts and (len(asked) == 1) is not drafts
