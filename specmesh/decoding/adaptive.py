@@ -208,8 +208,12 @@ class AdaptiveK:
         self._last_drafted = 0  # the round before's drafts: how far the drafter drafted ahead of this round
         self._draft_cost_measured = False  # a drafting round of this generation timed a draft token (else: a prior)
         self._prior_checked = False  # the probe `could_pay` allowed on prior costs alone was made (`may_probe`)
+        self._probe_due = 0  # the k of a probe chosen and not yet offered to a round (`_choose`)
+        self._probe_offered = False  # ... and a round has asked for it (`next_k`): it is made, whatever was drafted
 
     def next_k(self) -> int:
+        if self._probe_due and self._k == self._probe_due:
+            self._probe_offered = True
         return self._k
 
     def prior_costs(self, draft_ms_per_token: float | None, decode_ms: float | None,
@@ -409,17 +413,23 @@ class AdaptiveK:
             best = 0  # acceptance it measured would otherwise let a drafter run that the gate keeps off
         if self.drafts_ahead and last_k > 0:  # at most double: it drafted last_k ahead of the next round
             best = min(best, 2 * last_k)
+        if self._probe_offered:
+            self._probe_due, self._probe_offered = 0, False
         if best != 0:
             self._probe_interval = self.probe_every
+            self._probe_due = 0
+        elif self._probe_due:  # chosen, and a driver's plain run (`plain_rounds_ahead`: the stretches it spans may end
+            return self._probe_due  # past the probe) went on: made at the next round that can draft, not lost
         else:
             self._rounds_at_zero = self._rounds_at_zero + 1 if last_k == 0 else 1
             if self._rounds_at_zero >= self._probe_interval and self.may_probe() and self.probe_pays(outlook):
                 self._rounds_at_zero = 0
                 self._probe_interval = min(2 * self._probe_interval, max(self.probe_every, self.max_probe_every))
+                self._probe_due = self.k_min
                 if not self.could_pay():  # the check of a prior (`may_probe`): two drafts, so that the drafter
                     self._prior_checked = True  # times a one-token forward after taking in what it was not told
-                    return min(self.k_max, max(self.k_min, 2))
-                return self.k_min
+                    self._probe_due = min(self.k_max, max(self.k_min, 2))
+                return self._probe_due
         return best
 
     def _ema(self, old: float | None, new: float) -> float:

@@ -425,3 +425,23 @@ def test_a_prior_that_shuts_the_gate_is_checked_once():
     hopeless = AdaptiveK(beta=0.03)
     hopeless.prior_costs(draft_ms_per_token=21.0, decode_ms=20.0)
     assert not hopeless.may_probe() and hopeless.plain_rounds_ahead() is None
+
+
+def test_a_probe_chosen_inside_a_plain_run_is_made_after_it():
+    """A driver runs a plain stretch in one go (`plain_rounds_ahead`); the stretches it spans can end past
+    the round at which the policy chose its probe, and the rounds after would choose k = 0 again: the probe
+    stays due until a round asks for it (`next_k`), then it is made, whatever the drafter had. A prior's
+    check (once a request) was lost so and a cluster request decoded plainly to its end."""
+    for prior_ms, probe in ((9.0, 1), (16.3, 2)):  # the gate open (an ordinary probe); shut (the prior's check)
+        policy = AdaptiveK(beta=0.03)
+        policy.prior_costs(draft_ms_per_token=prior_ms, decode_ms=20.0)
+        policy.acceptance = 0.05 if probe == 1 else policy.acceptance  # an ordinary probe: drafting does not pay
+        policy._k = policy._best()
+        assert policy.next_k() == 0
+        ahead = policy.plain_rounds_ahead()
+        assert ahead == policy.probe_every
+        for _ in range(ahead + 3):  # the run goes 3 rounds past the probe
+            policy.update(0, 0, draft_ms=0.0, verify_ms=20.0)
+        assert policy.next_k() == probe
+        policy.update(0, 0, draft_ms=0.0, verify_ms=20.0)  # the drafter had nothing: the probe is made all the same
+        assert policy.next_k() == 0
