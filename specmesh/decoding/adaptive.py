@@ -208,12 +208,11 @@ class AdaptiveK:
         self._last_drafted = 0  # the round before's drafts: how far the drafter drafted ahead of this round
         self._draft_cost_measured = False  # a drafting round of this generation timed a draft token (else: a prior)
         self._prior_checked = False  # the probe `could_pay` allowed on prior costs alone was made (`may_probe`)
-        self._probe_due = 0  # the k of a probe chosen and not yet offered to a round (`_choose`)
-        self._probe_offered = False  # ... and a round has asked for it (`next_k`): it is made, whatever was drafted
+        self._probe_due = 0  # the k of a probe chosen and not yet asked for by a round (`_choose`, `next_k`)
 
     def next_k(self) -> int:
         if self._probe_due and self._k == self._probe_due:
-            self._probe_offered = True
+            self._probe_due = 0  # a round asks for the probe: it is made, whatever the drafter has
         return self._k
 
     def prior_costs(self, draft_ms_per_token: float | None, decode_ms: float | None,
@@ -413,8 +412,6 @@ class AdaptiveK:
             best = 0  # acceptance it measured would otherwise let a drafter run that the gate keeps off
         if self.drafts_ahead and last_k > 0:  # at most double: it drafted last_k ahead of the next round
             best = min(best, 2 * last_k)
-        if self._probe_offered:
-            self._probe_due, self._probe_offered = 0, False
         if best != 0:
             self._probe_interval = self.probe_every
             self._probe_due = 0

@@ -326,8 +326,10 @@ class TargetVerifier:
         from before the load, where steps took 24: the request was priced below the draft gate and decoded
         plainly). The engine caps what one timing moves (`EngineStats`)."""
         cost = self._round_costs.cost(1)
-        if cost is not None and cost.fixed_ms + cost.ms_per_token > 0:
-            one = cost.fixed_ms + cost.ms_per_token
+        if cost is None:
+            return
+        one = cost.fixed_ms + cost.ms_per_token
+        if one > 0:
             self.engine.stats.record_step(ms * one / (cost.fixed_ms + cost.ms_per_token * num_fed))
 
     def _record_step(self, launched: _Ahead) -> None:

@@ -174,7 +174,6 @@ def test_a_drafter_that_drafts_ahead_has_its_rounds_priced_so():
     assert len(stops.asked) > 1 and not policy.drafts_ahead
 
 
-
 class SleepingTarget(ReportingTarget):
     """A verify forward takes `step_ms` (slept: rounds measure the costs the policy prices)."""
 
