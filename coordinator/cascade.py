@@ -7,14 +7,15 @@ as any drafter. Output is exactly the target's (lossless; `specmesh.cascade.plan
 
 Configuration: the pipeline, cheapest stage first, as one option (a YAML key of the coordinator in
 the cluster file, or `--cascade-stages`): stages separated by commas, each an address followed by
-optional `extend=m` (the stage's own tokens per round, default 1) and `draft=k` (most draft tokens
-it verifies per round, default the target's k):
+optional `extend=m` (the stage's own tokens per round, default 1; `extend=fill`: as many as bring its
+proposal to the level above's k, `StageSpec.fill`) and `draft=k` (most draft tokens it verifies per
+round, default the target's k):
 
     cascade_stages: "127.0.0.1:50053 extend=1, 127.0.0.1:50054 extend=2 draft=6"
 
->>> [(e.address, e.spec.num_extend_tokens, e.spec.num_draft_tokens)
-...  for e in parse_cascade_stages("10.0.0.1:50053, 10.0.0.2:50054 extend=2 draft=6")]
-[('10.0.0.1:50053', 1, None), ('10.0.0.2:50054', 2, 6)]
+>>> [(e.address, e.spec.num_extend_tokens, e.spec.num_draft_tokens, e.spec.fill)
+...  for e in parse_cascade_stages("10.0.0.1:50053, 10.0.0.2:50054 extend=2 draft=6, 10.0.0.3:50055 extend=fill")]
+[('10.0.0.1:50053', 1, None, False), ('10.0.0.2:50054', 2, 6, False), ('10.0.0.3:50055', 1, None, True)]
 
 Per request (a string in the same syntax): "" = the configured pipeline, "none" = no cascade, else
 the stages to use, in order, each one of the configured addresses (a request never makes the
@@ -61,7 +62,7 @@ class StageEntry:
 
 
 def parse_cascade_stages(text: str) -> list[StageEntry]:
-    """'addr [extend=m] [draft=k], ...' -> the stages, cheapest first (module docstring); ValueError
+    """'addr [extend=m|fill] [draft=k], ...' -> the stages, cheapest first (module docstring); ValueError
     naming what is wrong."""
     entries = []
     for part in text.split(","):
@@ -74,7 +75,10 @@ def parse_cascade_stages(text: str) -> list[StageEntry]:
         for word in words[1:]:
             key, sep, value = word.partition("=")
             if not sep or key not in _KEYS:
-                raise ValueError(f"cascade stage {address}: unknown setting {word!r}; use extend=m and draft=k")
+                raise ValueError(f"cascade stage {address}: unknown setting {word!r}; use extend=m|fill and draft=k")
+            if key == "extend" and value == "fill":
+                settings["fill"] = True
+                continue
             if not value.isdigit():
                 raise ValueError(f"cascade stage {address}: {key} must be a non-negative integer, got {value!r}")
             settings[_KEYS[key]] = int(value)

@@ -35,10 +35,11 @@ class StageInfo:
     tokenizer_fingerprint: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass
 class RemoteStageSession:
     session_id: str
     return_q: bool  # standard sampling: the stage sends its q for the next level (`SamplingParams.needs_q`)
+    ms_per_token: float | None = None  # one of the stage's own tokens, as it said at open or last answered (None: not said)
 
 
 class RemoteStage:
@@ -66,19 +67,25 @@ class RemoteStage:
         await self.info()
         response = await self.stub.OpenSession(stage_pb2.StageOpenSessionRequest(
             prompt_token_ids=list(prompt_ids), sampling=_token_level(params)), timeout=self.timeout_s, metadata=self.metadata)
-        return RemoteStageSession(response.session_id, return_q=params.needs_q)
+        return RemoteStageSession(response.session_id, return_q=params.needs_q,
+                                  ms_per_token=response.ms_per_token if response.HasField("ms_per_token") else None)
+
+    def opened_ms_per_token(self, session: RemoteStageSession) -> float | None:
+        return session.ms_per_token
 
     async def verify_and_extend(self, session: RemoteStageSession, accepted: Sequence[int], draft: Sequence[int],
-                                q: torch.Tensor | None, num_extend: int) -> StageOutput:
+                                q: torch.Tensor | None, num_extend: int, fill_to: int = 0) -> StageOutput:
         vocab_size = (await self.info()).vocab_size
         request = stage_pb2.VerifyAndExtendRequest(
             session_id=session.session_id, accepted_token_ids=list(accepted), draft_token_ids=list(draft),
-            num_extend_tokens=num_extend, return_distributions=session.return_q, deterministic_draft=q is None)
+            num_extend_tokens=num_extend, fill_to_tokens=fill_to, return_distributions=session.return_q, deterministic_draft=q is None)
         if q is not None and len(draft):
             request.distributions.CopyFrom(distributions_to_pb(q, q.dtype, self.sparse_q, vocab_size))
         response = await self.stub.VerifyAndExtend(request, timeout=self.timeout_s, metadata=self.metadata)
         self.counters.add(request, response)
-        return stage_output_from_pb(response, len(draft), num_extend, session.return_q, vocab_size)
+        if response.HasField("ms_per_token"):
+            session.ms_per_token = response.ms_per_token  # its cost now: the cascade's figure after this round
+        return stage_output_from_pb(response, len(draft), num_extend, session.return_q, vocab_size, fill_to)
 
     async def close(self, session: RemoteStageSession) -> None:
         await _close_quietly(self.stub.CloseSession(stage_pb2.StageCloseSessionRequest(session_id=session.session_id),
@@ -86,14 +93,15 @@ class RemoteStage:
 
 
 def stage_output_from_pb(response: stage_pb2.VerifyAndExtendResponse, num_draft: int, num_extend: int, with_q: bool,
-                         vocab_size: int) -> StageOutput:
+                         vocab_size: int, fill_to: int = 0) -> StageOutput:
     """The StageOutput a VerifyAndExtendResponse reports, or ValueError when it cannot be one: a
-    proposal of the accepted draft tokens plus `num_extend` own tokens, with q when asked."""
+    proposal of the accepted draft tokens plus `num_extend` own tokens (or as many as make `fill_to`),
+    with q when asked."""
     tokens = token_ids_from_pb(response.proposal_token_ids, vocab_size, "proposal_token_ids")
     num_accepted = response.num_accepted_tokens
-    if num_accepted > num_draft or len(tokens) != num_accepted + num_extend:
+    if num_accepted > num_draft or len(tokens) != max(num_accepted + num_extend, fill_to):
         raise ValueError(f"malformed VerifyAndExtendResponse: {len(tokens)} tokens for {num_accepted} of {num_draft} "
-                         f"draft tokens accepted and {num_extend} extension tokens")
+                         f"draft tokens accepted, {num_extend} extension tokens and a fill to {fill_to}")
     q = distributions_from_pb(response.distributions, len(tokens), vocab_size) if with_q else None
     if with_q and q is None:
         raise ValueError("malformed VerifyAndExtendResponse: the stage sent no distributions for a sampled session")

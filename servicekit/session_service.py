@@ -27,7 +27,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from servicekit.auth import current_principal
-from servicekit.core_share import measure_when_lent
+from servicekit.core_share import measure_when_lent, measure_when_settled
 from servicekit.engine_thread import EngineThread
 from servicekit.errors import QuotaExceeded, SessionNotFound, Unavailable
 from servicekit.metrics import ServiceMetrics
@@ -166,6 +166,12 @@ class SessionService:
         (`servicekit.core_share.measure_when_lent`); cancelled at shutdown if still waiting."""
         if self.engine_thread.core_share is not None:
             self.remeasure = asyncio.get_running_loop().create_task(measure_when_lent(self.engine_thread, engine))
+
+    def time_step_when_settled(self, engine) -> None:
+        """Time `engine`'s step again a moment after start while no session is open
+        (`servicekit.core_share.measure_when_settled`); cancelled at shutdown if still waiting."""
+        self.remeasure = asyncio.get_running_loop().create_task(
+            measure_when_settled(self.engine_thread, engine, lambda: len(self.sessions) == 0))
 
     async def shutdown(self) -> None:
         await cancel_and_wait(self.remeasure)

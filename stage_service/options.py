@@ -12,4 +12,4 @@ from servicekit.quotas import QuotaOptions
 class StageOptions(ServerOptions, ModelOptions, QuotaOptions):
     port: int = 50053
     max_draft_tokens: int = 64  # largest lower-stage draft accepted
-    max_extend_tokens: int = 32  # largest num_extend_tokens
+    max_extend_tokens: int = 32  # largest num_extend_tokens and fill_to_tokens

@@ -22,4 +22,5 @@ async def create_server(options: StageOptions) -> tuple[ServiceHandle, int]:
     servicer.sessions.start_reaper(options.reaper_interval_s)
     handle = await start_service(options, metrics, servicer, [(stage_pb2_grpc.add_StageServiceServicer_to_server, SERVICE_NAME)],
                                  on_stop=[servicer.shutdown])
+    servicer.time_step_when_settled(engine)  # the figure its OpenSession reports (a filling stage's token)
     return handle, handle.port

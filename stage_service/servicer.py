@@ -53,7 +53,8 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
         async with self.admission(len(prompt) + 1):
             session = await self.engine_thread.run(self.stage.open, prompt, params, generator)
             session_id = await self.add_session(session)
-        return stage_pb2.StageOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=seed)
+        return stage_pb2.StageOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=seed,
+                                                  ms_per_token=self.engine.stats.step_ms)
 
     @rpc_method
     async def VerifyAndExtend(self, request, context) -> stage_pb2.VerifyAndExtendResponse:
@@ -64,15 +65,18 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
             raise ValueError(f"{len(draft)} draft tokens exceed this service's limit of {self.options.max_draft_tokens}")
         if not 1 <= request.num_extend_tokens <= self.options.max_extend_tokens:
             raise ValueError(f"num_extend_tokens must be in [1, {self.options.max_extend_tokens}]")
+        if request.fill_to_tokens > self.options.max_extend_tokens:
+            raise ValueError(f"fill_to_tokens must be in [0, {self.options.max_extend_tokens}]")
         q = distributions_from_pb(request.distributions, len(draft), vocab) if request.HasField("distributions") else None
         async with self.session_call(request.session_id) as session:
             check_draft_has_q(len(draft), q is not None, request.deterministic_draft, session.sequence.params)
-            self.check_kv_quota(len(accepted) + len(draft) + request.num_extend_tokens)
+            self.check_kv_quota(len(accepted) + max(len(draft) + request.num_extend_tokens, request.fill_to_tokens))
             start = time.perf_counter()
             out = await self.engine_thread.run(self.stage.verify_and_extend, session, accepted, draft, q,
-                                               request.num_extend_tokens)
+                                               request.num_extend_tokens, request.fill_to_tokens)
         self.metrics.record_verification(len(draft), out.num_accepted)
-        return verify_and_extend_response(out, request.return_distributions, vocab, (time.perf_counter() - start) * 1e3)
+        return verify_and_extend_response(out, request.return_distributions, vocab, (time.perf_counter() - start) * 1e3,
+                                          self.engine.stats.step_ms)
 
     @rpc_method
     async def CloseSession(self, request, context) -> stage_pb2.StageCloseSessionResponse:

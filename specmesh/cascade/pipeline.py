@@ -62,7 +62,7 @@ class Stage(Protocol):
     def open(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> Any: ...
 
     def verify_and_extend(self, session: Any, accepted: Sequence[int], draft: Sequence[int], q: torch.Tensor | None,
-                          num_extend: int) -> StageOutput: ...
+                          num_extend: int, fill_to: int = 0) -> StageOutput: ...
 
     def close(self, session: Any) -> None: ...
 
@@ -77,9 +77,34 @@ class AsyncStage(Protocol):
         ...
 
     async def verify_and_extend(self, session: Any, accepted: Sequence[int], draft: Sequence[int], q: torch.Tensor | None,
-                                num_extend: int) -> StageOutput: ...
+                                num_extend: int, fill_to: int = 0) -> StageOutput: ...
 
     async def close(self, session: Any) -> None: ...
+
+    def opened_ms_per_token(self, session: Any) -> float | None:
+        """One of the stage's own tokens, as it said when `session` opened or last answered (None: not said)."""
+        ...
+
+
+def cost_floor(base_ms: float | None, has_base: bool, specs: Sequence[StageSpec],
+               stage_ms: Sequence[float | None]) -> float | None:
+    """A floor of a cascade draft token's cost, for the k policy's prior (`AdaptiveK.prior_costs`): the
+    base drafter's token, plus each filling stage's (a filling stage drafts what the base did not give,
+    a forward a token); stages of a fixed extension add a forward a round, left to rounds to measure.
+    None when no part is known: an n-gram base (free) under stages that do not fill, or costs not yet
+    timed. Without a prior the first round, which also prefills the prompt on every level, stands for
+    a draft token's cost, and keeps the cascade at k = 0 for the rest of a request (measured: 34 ms a
+    token for a bf16 stage whose forwards take 10).
+
+    >>> cost_floor(None, True, [StageSpec(fill=True)], [10.0]), cost_floor(2.0, True, [StageSpec()], [10.0])
+    (10.0, 2.0)
+    >>> cost_floor(None, True, [StageSpec()], [10.0]) is None, cost_floor(None, True, [StageSpec(fill=True)], [None]) is None
+    (True, True)
+    """
+    filling = [ms for spec, ms in zip(specs, stage_ms) if spec.fill]
+    if any(ms is None for ms in filling) or (has_base and base_ms is None and not filling):
+        return None
+    return (base_ms or 0.0) + sum(ms for ms in filling if ms is not None)
 
 
 def _check_specs(num_stages: int, specs: Sequence[StageSpec] | None) -> list[StageSpec]:
@@ -163,6 +188,13 @@ class CascadeDrafter:
         self.last_state = CascadeState(self.base.open(prompt) if self.base is not None else None, prompt)
         return self.last_state
 
+    @property
+    def ms_per_token(self) -> float | None:
+        """A floor of a draft token's cost here (`cost_floor`), from the engines' one-token forwards."""
+        base_ms = getattr(self.base, "ms_per_token", None)
+        return cost_floor(base_ms, self.base is not None, self.specs,
+                          [getattr(stage, "ms_per_token", None) for stage in self.stages])
+
     def check_call(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> None:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -185,7 +217,7 @@ class CascadeDrafter:
                 continue
             start = time.perf_counter()
             out = stage.verify_and_extend(state.stages[i], call.accepted, call.draft.token_ids, call.draft.q,
-                                          call.num_extend_tokens)
+                                          call.num_extend_tokens, call.fill_to)
             proposal = book.stage_done(i, call, out, (time.perf_counter() - start) * 1e3)
             if _adaptive_stop(state, i, call, out, proposal):
                 return _adaptive_result(state, proposal, stopped=True)
@@ -267,13 +299,16 @@ class AsyncCascadeDrafter:
         return state
 
     def opened_ms_per_token(self, state: CascadeState) -> float | None:
-        """`CostReporter`: the base drafter's draft token cost as it reported it (None when it did not:
-        an n-gram base, or none). A floor of a cascade token's cost (the stages add theirs per round),
-        which rounds then measure; without it the first round, which also prefills the prompt on every
-        level, stands for a draft token's cost and keeps the cascade at k = 0 for the rest of a request."""
-        if not isinstance(self.base, CostReporter) or state.base is None:
-            return None
-        return self.base.opened_ms_per_token(state.base)
+        """`CostReporter`: a floor of a cascade token's cost (`cost_floor`) from what the base drafter and
+        the filling stages reported when they opened; rounds then measure it."""
+        base_ms = None
+        if isinstance(self.base, CostReporter) and state.base is not None:
+            base_ms = self.base.opened_ms_per_token(state.base)
+        stage_ms = [None if session is None else stage.opened_ms_per_token(session)
+                    for stage, session in zip(self.stages, state.stages)]
+        specs = [spec for spec, stats in zip(self.specs, state.stage_stats) if not stats.retired]
+        live = [ms for ms, stats in zip(stage_ms, state.stage_stats) if not stats.retired]
+        return cost_floor(base_ms, self.base is not None, specs, live)
 
     async def propose(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         book = state.book
@@ -291,7 +326,7 @@ class AsyncCascadeDrafter:
             start = time.perf_counter()
             try:
                 out = await stage.verify_and_extend(state.stages[i], call.accepted, call.draft.token_ids, call.draft.q,
-                                                    call.num_extend_tokens)
+                                                    call.num_extend_tokens, call.fill_to)
             except Exception as exc:
                 if not self.is_stage_failure(i, exc):
                     raise

@@ -19,7 +19,9 @@ Defaults, and why: every level drafts the target's k, and each stage extends by 
 recovered or bonus token its verify forward samples anyway, so a stage costs ONE forward per target
 round and its proposal is "the lower draft up to its first disagreement, plus its own token". With
 m > 1 a stage adds m - 1 plain decoding rounds (one forward each) when its own model is cheap enough
-to be worth it.
+to be worth it. A filling stage (`StageSpec.fill`) goes on until its proposal holds the level above's
+cap: below a stage that pays as a drafter, a free base (prompt lookup) that often has nothing to offer
+costs nothing, and the stage drafts the rest itself, to the k the target's policy chose.
 
 Exactness (sampling). Stage i emits the accepted prefix of the lower draft, then its own tokens. By
 the speculative sampling theorem each emitted token y_j is distributed as the stage's processed p
@@ -29,8 +31,8 @@ p, and claiming the lower q for it biases the next level (the chi-square test in
 tests/unit/test_cascade_pipeline.py fails with p ~ 1e-22 when that is done). Sending no q (one-hot)
 would stay exact, as for any draft drawn independently of the verifier's coins, but the next level
 would then accept a token with probability p_next(x) instead of min(1, p_next(x) / p_stage(x)): an
-n-gram base's q = None stops at the first stage. The proposal's length n + m is decided by
-acceptances at positions <= j - m, before y_j is drawn, and the caps are fixed before the round, so
+n-gram base's q = None stops at the first stage. The proposal's length n + m (max(n + m, f) for a
+filling stage) is decided by acceptances at positions <= j - m, before y_j is drawn, and the caps are fixed before the round, so
 the next level's rejection sampling sees each token drawn from the q it is given. Each stage has its
 own generator (`stage_seed`): a stage sharing the target's random stream would correlate the two
 levels' accept decisions. Greedy: q is None at every level (argmax matching needs none). Coupled rule
@@ -74,6 +76,7 @@ class StageSpec:
 
     num_extend_tokens: int = 1  # m: the stage's own tokens after the accepted prefix (1 = one forward)
     num_draft_tokens: int | None = None  # most lower-draft tokens it verifies per round; None = the target's k
+    fill: bool = False  # extend (past m) until the proposal holds what the level above asked for
 
     def __post_init__(self):
         if self.num_extend_tokens < 1:
@@ -139,6 +142,7 @@ class StageCall:
     accepted: list[int]  # tokens the target emitted since this stage's last call
     draft: DraftProposal  # the lower level's proposal (a chain), cut to this stage's cap
     num_extend_tokens: int
+    fill_to: int = 0  # a filling stage: its proposal's length (the level above's cap); 0 = m tokens only
 
 
 @dataclass
@@ -160,6 +164,7 @@ class CascadeBook:
     _untold: list[list[int]] = field(default_factory=list)
     _caps: list[int] = field(default_factory=list)
     _extend: list[int] = field(default_factory=list)
+    _fill: list[int] = field(default_factory=list)
     _base_draft: list[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -184,6 +189,7 @@ class CascadeBook:
                 self._untold[i].extend(accepted)
         self._caps = [0] * self.num_stages + [max_tokens]
         self._extend = [0] * self.num_stages
+        self._fill = [0] * self.num_stages
         for i in reversed(range(self.num_stages)):
             above = self._caps[i + 1]
             room = self.max_contexts[i] - self.num_confirmed
@@ -193,6 +199,7 @@ class CascadeBook:
                 self._caps[i] = above
                 continue
             self._extend[i] = min(self.specs[i].num_extend_tokens, room)
+            self._fill[i] = min(above, room) if self.specs[i].fill else 0
             wanted = self.specs[i].num_draft_tokens
             self._caps[i] = max(0, min(above, above if wanted is None else wanted, room - self._extend[i]))
         pieces = split_for_base(self._base_draft, accepted) if accepted else [[]]
@@ -212,7 +219,7 @@ class CascadeBook:
             return None
         draft, _ = lower.capped(self._caps[index])
         accepted, self._untold[index] = self._untold[index], []
-        return StageCall(accepted, draft, self._extend[index])
+        return StageCall(accepted, draft, self._extend[index], self._fill[index])
 
     def stage_done(self, index: int, call: StageCall, out: StageOutput, stage_ms: float = 0.0) -> DraftProposal:
         """The proposal stage `index` sends up: its output cut to the level above's cap."""

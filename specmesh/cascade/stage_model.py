@@ -2,12 +2,14 @@
 
 The stage's sequence is a `TargetSession` on this model's `TargetVerifier`: its rounds are the
 verifier's rounds (one forward, exact acceptance, KV rollback), nothing written again here.
-verify_and_extend(accepted A, draft D, q, m):
+verify_and_extend(accepted A, draft D, q, m, fill_to=f):
     confirmed += A                     the tokens the top stage confirmed since the last call
     rewind the sequence to `confirmed` (the KV keeps whatever prefix it already holds)
     one verify round on D: accepted D + this stage's final token
-    m - 1 plain rounds (k = 0): this stage's own next tokens
+    plain rounds (k = 0), at least m - 1 and until the proposal holds f tokens: its own next tokens
     proposal = everything those rounds emitted
+f = 0 extends by exactly m. A stage that fills (f = the level above's k) drafts by itself what the
+lower draft did not give: where the first lower token is rejected it is a model drafter of f tokens.
 The proposal is the next stage's draft; each proposal token was produced from this stage's processed
 p at its position (by the speculative sampling theorem for the accepted/final tokens), so p rows are
 the q the next stage verifies against. Per-token quality features come from the same rows.
@@ -70,6 +72,12 @@ class StageModel:
         """Where the generator passed to `open` must live."""
         return self.engine.device
 
+    @property
+    def ms_per_token(self) -> float | None:
+        """One of this stage's own tokens (its engine's one-token forward; None until one ran): what a
+        filling stage adds to a draft token's cost (`CascadeDrafter.ms_per_token`)."""
+        return self.engine.stats.step_ms
+
     def open(self, prompt: Sequence[int], params: SamplingParams, generator: torch.Generator) -> StageSession:
         """No forward yet: the prompt is fed with the first draft."""
         prompt = validate_prompt(prompt, self.engine.max_context, self.engine.vocab_size)
@@ -80,18 +88,22 @@ class StageModel:
         self.verifier.close(session.sequence)
 
     def verify_and_extend(self, s: StageSession, accepted: Sequence[int], draft: Sequence[int],
-                          q: torch.Tensor | None, num_extend: int) -> StageOutput:
+                          q: torch.Tensor | None, num_extend: int, fill_to: int = 0) -> StageOutput:
+        """`fill_to`: plain rounds go on until the proposal holds that many tokens (module docstring).
+        Whether a round runs depends only on how many tokens the earlier ones emitted, never on the
+        token a round draws, so each token is still a draw from this stage's p (`specmesh.cascade.plan`)."""
         confirmed = s.confirmed + [int(t) for t in accepted]
-        if len(confirmed) + len(draft) + max(num_extend, 1) > self.engine.max_context:
+        if len(confirmed) + max(len(draft) + max(num_extend, 1), fill_to) > self.engine.max_context:
             raise ContextLengthError("the draft and extension do not fit in the context window")
         proposal = DraftProposal(token_ids=[int(t) for t in draft], q=q)
         proposal.validate(self.engine.vocab_size)
         self.verifier.rewind(s.sequence, confirmed)
         s.confirmed = confirmed
         first = self.verifier.verify(s.sequence, proposal, keep_logits=True)
-        outcomes = [first] + [self.verifier.verify(s.sequence, DraftProposal(token_ids=[]), keep_logits=True)
-                              for _ in range(num_extend - 1)]
-        tokens = [t for outcome in outcomes for t in outcome.token_ids]
+        outcomes, tokens = [first], list(first.token_ids)
+        while len(outcomes) < num_extend or len(tokens) < fill_to:
+            outcomes.append(self.verifier.verify(s.sequence, DraftProposal(token_ids=[]), keep_logits=True))
+            tokens += outcomes[-1].token_ids
         logits = torch.cat([_kept_logits(outcome) for outcome in outcomes])  # [len(tokens), vocab]
         p = processed_probs(logits, s.sequence.params)
         features = [self._features(row_logits, row_p, token, s.sequence.params)

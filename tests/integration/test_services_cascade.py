@@ -51,26 +51,26 @@ def cluster(tiny_model_dir):
         yield folders, ports, services
 
 
-def _over_the_wire(ports, params, stage_names=("stage_low", "stage"), dead_port=None, on_event=None):
+def _over_the_wire(ports, params, stage_names=("stage_low", "stage"), dead_port=None, on_event=None, specs=SPECS):
     """(tokens, stats, failed stage indices). `dead_port`: a third stage in the middle whose service is
     gone (every call: UNAVAILABLE). `on_event(i)` runs after the i-th event."""
     async def run():
         channels = {name: grpc.aio.insecure_channel(f"127.0.0.1:{port}") for name, port in ports.items()}
         try:
             stages = [RemoteStage(stage_pb2_grpc.StageServiceStub(channels[name]), timeout_s=30) for name in stage_names]
-            specs = list(SPECS[:len(stages)])
+            stage_specs = list(specs[:len(stages)])
             if dead_port is not None:
                 channels["dead"] = grpc.aio.insecure_channel(f"127.0.0.1:{dead_port}")
                 info = await stages[0].info()
                 stages.insert(1, RemoteStage(stage_pb2_grpc.StageServiceStub(channels["dead"]), timeout_s=5, info=info))
-                specs.insert(1, StageSpec())
+                stage_specs.insert(1, StageSpec())
             failed = []
 
             def stage_failed(index, exc):
                 failed.append(index)
                 return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
 
-            drafter = AsyncCascadeDrafter(RemoteDrafter(draft_pb2_grpc.DraftServiceStub(channels["draft"])), stages, specs,
+            drafter = AsyncCascadeDrafter(RemoteDrafter(draft_pb2_grpc.DraftServiceStub(channels["draft"])), stages, stage_specs,
                                           is_stage_failure=stage_failed)
             verifier = RemoteVerifier(verify_pb2_grpc.VerifyServiceStub(channels["verify"]))
             events = []
@@ -85,10 +85,10 @@ def _over_the_wire(ports, params, stage_names=("stage_low", "stage"), dead_port=
     return asyncio.run(run())
 
 
-def _in_process(folders, params):
+def _in_process(folders, params, specs=SPECS):
     target = TargetVerifier(load_engine(folders["target"], dtype="float64"))
     drafter = CascadeDrafter(ModelDrafter(load_engine(folders["draft"], dtype="float64")),
-                             [StageModel(load_engine(folders[name], dtype="float64")) for name in ("stage_low", "stage")], SPECS)
+                             [StageModel(load_engine(folders[name], dtype="float64")) for name in ("stage_low", "stage")], specs)
     return generate(target, drafter, PROMPT, params, k_policy=FixedK(4)).token_ids
 
 
@@ -108,6 +108,21 @@ def test_sampled_cascade_over_the_wire_equals_in_process(cluster, seed):
                             acceptance_rule=AcceptanceRule.STANDARD)  # q goes up each level
     tokens, _, failed = _over_the_wire(ports, params)
     assert tokens == _in_process(folders, params) and not failed
+
+
+def test_a_filling_cascade_over_the_wire_equals_target_and_in_process(cluster):
+    """The top stage fills the target's k (`StageSpec.fill`): greedy gives the target-only tokens; sampled
+    (q up each level) the in-process cascade's, seed for seed."""
+    folders, ports, _ = cluster
+    specs = [StageSpec(), StageSpec(fill=True)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    tokens, stats, failed = _over_the_wire(ports, greedy, specs=specs)
+    assert tokens == generate(TargetVerifier(load_engine(folders["target"], dtype="float64")), None, PROMPT, greedy).token_ids
+    assert not failed and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    sampled = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=30, ignore_eos=True, seed=7,
+                             acceptance_rule=AcceptanceRule.STANDARD)
+    tokens, _, failed = _over_the_wire(ports, sampled, specs=specs)
+    assert tokens == _in_process(folders, sampled, specs) and not failed
 
 
 def test_a_seeded_cascade_over_the_wire_gives_the_target_only_tokens(cluster):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import grpc
+import pytest
 
 from servicekit.background import BackgroundServices
 from specmesh.decoding.sampling import SamplingParams
@@ -42,3 +43,29 @@ def test_stage_greedy_cascade_matches_the_stage_model(tiny_model_dir):
                 out += accepted
             assert out[:30] == plain
             assert stub.CloseSession(stage_pb2.StageCloseSessionRequest(session_id=session)).existed
+
+
+def test_a_filling_stage_over_the_wire_and_its_cost(tiny_model_dir):
+    """fill_to_tokens: the stage drafts its own tokens until the proposal holds that many; its one-token
+    cost comes with the session and with every answer (a cascade's prior, `cost_floor`); a fill past
+    the service's limit is refused."""
+    folder = str(tiny_model_dir("llama", init_std=0.2))
+    prompt = [5, 17, 33, 5, 17, 33, 5, 17]
+    plain = generate(TargetVerifier(load_engine(folder, dtype="float64")), None, prompt,
+                     SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)).token_ids
+    with BackgroundServices() as services:
+        handle = services.start(create_server(StageOptions(model=folder, dtype="float64", port=0, max_extend_tokens=8)))
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            stub = stage_pb2_grpc.StageServiceStub(ch)
+            opened = stub.OpenSession(stage_pb2.StageOpenSessionRequest(
+                prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0)))
+            assert opened.HasField("ms_per_token") and opened.ms_per_token > 0
+            r = stub.VerifyAndExtend(stage_pb2.VerifyAndExtendRequest(
+                session_id=opened.session_id, draft_token_ids=[plain[0], plain[1] + 1], num_extend_tokens=1,
+                fill_to_tokens=6))
+            assert (r.num_accepted_tokens, list(r.proposal_token_ids)) == (1, plain[:6])
+            assert r.HasField("ms_per_token") and r.ms_per_token > 0
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.VerifyAndExtend(stage_pb2.VerifyAndExtendRequest(
+                    session_id=opened.session_id, accepted_token_ids=plain[:6], num_extend_tokens=1, fill_to_tokens=9))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "fill_to_tokens" in refused.value.details()

@@ -11,10 +11,11 @@ tests/engine/test_sampling_exactness.py does for one drafter). The bookkeeping's
 from __future__ import annotations
 
 import pytest
+import torch
 from sampling_helpers import target_joint
 from scipy.stats import chisquare
 
-from specmesh.cascade.pipeline import CascadeDrafter
+from specmesh.cascade.pipeline import CascadeDrafter, cost_floor
 from specmesh.cascade.plan import CascadeBook, StageSpec, split_for_base, stage_seed
 from specmesh.cascade.stage_model import StageModel, StageOutput
 from specmesh.decoding.adaptive import FixedK
@@ -85,6 +86,41 @@ def test_book_caps_by_k_extension_and_context():
     assert book.stats[1].retired and book.stage_call(1, DraftProposal([1])) is None
 
 
+def test_a_filling_stage_is_asked_for_the_level_aboves_cap():
+    # stage 0 fills, under stage 1 (m = 1), under the target's k = 5; stage 0 has 3 tokens of room
+    book = CascadeBook([StageSpec(fill=True), StageSpec()], [14, 64], num_confirmed=10, keep_q=False)
+    assert book.start_round([100], 5) == [([100], 2)]  # the base drafts min(5, 14 - 11 - 1)
+    call = book.stage_call(0, book.base_proposed(DraftProposal([1, 2])))
+    assert call is not None and (call.num_extend_tokens, call.fill_to) == (1, 3)  # up to its room, not 5
+    top = book.stage_call(1, book.stage_done(0, call, StageOutput(0, [4, 5, 6], None, [])))
+    assert top is not None and (top.draft.token_ids, top.fill_to) == ([4, 5, 6], 0)
+
+
+def test_a_filling_stage_drafts_what_the_lower_draft_did_not_give(engines):
+    """StageModel.verify_and_extend(fill_to=f): at least m own tokens, and up to f in all; the tokens are
+    the stage model's own greedy continuation."""
+    stage = StageModel(engines["stage"])
+    own = generate(TargetVerifier(engines["stage"]), None, PROMPT, GREEDY).token_ids
+    session = stage.open(PROMPT, GREEDY, torch.Generator().manual_seed(0))
+    out = stage.verify_and_extend(session, [], [own[0], own[1] + 1], None, 1, fill_to=6)  # the 2nd is wrong
+    assert (out.num_accepted, out.proposal) == (1, own[:6])
+    out = stage.verify_and_extend(session, out.proposal, own[6:10], None, 1, fill_to=3)  # all 4 accepted: 4 + 1
+    assert (out.num_accepted, out.proposal) == (4, own[6:11])
+    assert stage.ms_per_token == engines["stage"].stats.step_ms is not None
+
+
+def test_a_cascades_prior_is_its_base_and_filling_stages_tokens(engines):
+    """The k policy's prior for a cascade (`cost_floor`): a first round that also prefills the prompt on
+    every level must not stand for a draft token's cost."""
+    stage = StageModel(engines["stage"])
+    assert CascadeDrafter(PromptLookupDrafter(), [stage], [StageSpec(fill=True)]).ms_per_token == stage.ms_per_token
+    assert CascadeDrafter(PromptLookupDrafter(), [stage], [StageSpec()]).ms_per_token is None  # n-gram: unknown
+    base = ModelDrafter(engines["draft"])
+    assert CascadeDrafter(base, [stage], [StageSpec()]).ms_per_token == base.ms_per_token
+    assert cost_floor(2.0, True, [StageSpec(fill=True), StageSpec(fill=True)], [3.0, 4.0]) == 9.0
+    assert cost_floor(None, False, [StageSpec()], [3.0]) == 0.0  # the first stage drafts alone, a forward a round
+
+
 def test_spec_and_seed_validation():
     with pytest.raises(ValueError, match="at least 1"):
         StageSpec(num_extend_tokens=0)
@@ -109,6 +145,8 @@ class RecordingCascade(CascadeDrafter):
 @pytest.mark.parametrize("stages, specs", [
     (["stage"], [StageSpec()]),
     (["stage_low", "stage"], [StageSpec(), StageSpec(num_extend_tokens=2)]),
+    (["stage"], [StageSpec(fill=True)]),
+    (["stage_low", "stage"], [StageSpec(), StageSpec(fill=True)]),
 ])
 def test_greedy_cascade_equals_target(engines, base, stages, specs):
     target = TargetVerifier(engines["target"])
@@ -155,14 +193,16 @@ def chi_square_pvalue(counts: dict, expected: dict, num_trials: int) -> tuple[fl
     return float(chisquare(obs, exp).pvalue), len(big)
 
 
-@pytest.mark.parametrize("base, stages", [
-    ("ngram", ["stage_low", "stage"]),  # one-hot q at the first stage, q passed stage to stage
-    ("model", ["stage"]),  # a sampled base q
+@pytest.mark.parametrize("base, stages, fill", [
+    ("ngram", ["stage_low", "stage"], False),  # one-hot q at the first stage, q passed stage to stage
+    ("model", ["stage"], False),  # a sampled base q
+    ("ngram", ["stage"], True),  # the stage draws its own tokens past the lower draft's, to the target's k
 ])
-def test_sampled_cascade_follows_the_target(engines, base, stages):
+def test_sampled_cascade_follows_the_target(engines, base, stages, fill):
     target = TargetVerifier(engines["target"])
     base_drafter = PromptLookupDrafter() if base == "ngram" else ModelDrafter(engines["draft"])
-    drafter = CascadeDrafter(base_drafter, [StageModel(engines[name]) for name in stages])
+    drafter = CascadeDrafter(base_drafter, [StageModel(engines[name]) for name in stages],
+                             [StageSpec(fill=fill) for _ in stages])
     expected = target_joint(engines["target"], PROMPT, SAMPLED)
     counts = dict.fromkeys(expected, 0)
     num_draft = num_accepted = 0

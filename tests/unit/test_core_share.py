@@ -131,3 +131,25 @@ def test_lent_and_unlent_jobs_per_token_times_are_kept_apart(board_path):
             engine_thread.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_step_timed_high_at_load_is_timed_again_once_settled(tiny_model_dir, monkeypatch):
+    """measure_when_settled: a service without a board (a Stage service) times its step again while no
+    session is open, keeping the fastest with the load-time figure; while a session is open it waits."""
+    import asyncio
+
+    from servicekit import core_share
+    from servicekit.engine_thread import EngineThread
+    from specmesh.models.load import load_engine
+
+    monkeypatch.setattr(core_share, "LENT_TIMING_SPACING_S", 0.0)
+    engine = load_engine(tiny_model_dir("llama"), dtype="float32")
+    engine_thread = EngineThread("test-engine", num_threads=1)
+    try:
+        engine.stats.step_ms = 1e4  # timed while the host's other processes were loading
+        busy = asyncio.run(core_share.measure_when_settled(engine_thread, engine, lambda: False, tries=3, interval_s=0.0))
+        assert not busy and engine.stats.step_ms == 1e4  # a session was open throughout: not timed
+        assert asyncio.run(core_share.measure_when_settled(engine_thread, engine, lambda: True, tries=5, interval_s=0.0))
+        assert engine.stats.step_ms is not None and engine.stats.step_ms < 1e4
+    finally:
+        engine_thread.shutdown()

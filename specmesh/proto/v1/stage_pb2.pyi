@@ -52,22 +52,28 @@ class StageOpenSessionResponse(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     ttl_ms: _builtins.int
     seed: _builtins.int
     """this stage's generator seed (the server's pick when none was set)"""
+    ms_per_token: _builtins.float
+    """one of this stage's own tokens (a one-token forward) now; unset: not timed"""
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         ttl_ms: _builtins.int = ...,
         seed: _builtins.int = ...,
+        ms_per_token: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "ms_per_token", b"ms_per_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["seed", b"seed", "session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "ms_per_token", b"ms_per_token", "seed", b"seed", "session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__ms_per_token: _TypeAlias = _typing.Literal["ms_per_token"]  # noqa: Y015
+    _WhichOneofArgType__ms_per_token: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ms_per_token) -> _WhichOneofReturnType__ms_per_token | None: ...
 
 Global___StageOpenSessionResponse: _TypeAlias = StageOpenSessionResponse  # noqa: Y015
 
@@ -82,6 +88,7 @@ class VerifyAndExtendRequest(_message.Message):
     NUM_EXTEND_TOKENS_FIELD_NUMBER: _builtins.int
     RETURN_DISTRIBUTIONS_FIELD_NUMBER: _builtins.int
     DETERMINISTIC_DRAFT_FIELD_NUMBER: _builtins.int
+    FILL_TO_TOKENS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_extend_tokens: _builtins.int
     """session needs deterministic_draft)
@@ -91,6 +98,8 @@ class VerifyAndExtendRequest(_message.Message):
     """send this stage's q for its output tokens"""
     deterministic_draft: _builtins.bool
     """as in VerifyRequest"""
+    fill_to_tokens: _builtins.int
+    """extend past num_extend_tokens until the proposal holds this"""
     @_builtins.property
     def accepted_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """tokens the top stage accepted since the last call"""
@@ -113,10 +122,11 @@ class VerifyAndExtendRequest(_message.Message):
         num_extend_tokens: _builtins.int = ...,
         return_distributions: _builtins.bool = ...,
         deterministic_draft: _builtins.bool = ...,
+        fill_to_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_token_ids", b"accepted_token_ids", "deterministic_draft", b"deterministic_draft", "distributions", b"distributions", "draft_token_ids", b"draft_token_ids", "num_extend_tokens", b"num_extend_tokens", "return_distributions", b"return_distributions", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_token_ids", b"accepted_token_ids", "deterministic_draft", b"deterministic_draft", "distributions", b"distributions", "draft_token_ids", b"draft_token_ids", "fill_to_tokens", b"fill_to_tokens", "num_extend_tokens", b"num_extend_tokens", "return_distributions", b"return_distributions", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -161,9 +171,12 @@ class VerifyAndExtendResponse(_message.Message):
     DISTRIBUTIONS_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     STAGE_MS_FIELD_NUMBER: _builtins.int
+    MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     num_accepted_tokens: _builtins.int
     """draft tokens this stage accepted"""
     stage_ms: _builtins.float
+    ms_per_token: _builtins.float
+    """one of this stage's own tokens now (as at OpenSession); unset: not timed"""
     @_builtins.property
     def proposal_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """accepted draft tokens + this stage's own tokens: the next stage's draft"""
@@ -184,12 +197,15 @@ class VerifyAndExtendResponse(_message.Message):
         distributions: _common_pb2.DraftDistributions | None = ...,
         features: _abc.Iterable[Global___TokenFeatures] | None = ...,
         stage_ms: _builtins.float = ...,
+        ms_per_token: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "distributions", b"distributions", "ms_per_token", b"ms_per_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["distributions", b"distributions", "features", b"features", "num_accepted_tokens", b"num_accepted_tokens", "proposal_token_ids", b"proposal_token_ids", "stage_ms", b"stage_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "distributions", b"distributions", "features", b"features", "ms_per_token", b"ms_per_token", "num_accepted_tokens", b"num_accepted_tokens", "proposal_token_ids", b"proposal_token_ids", "stage_ms", b"stage_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__ms_per_token: _TypeAlias = _typing.Literal["ms_per_token"]  # noqa: Y015
+    _WhichOneofArgType__ms_per_token: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ms_per_token) -> _WhichOneofReturnType__ms_per_token | None: ...
 
 Global___VerifyAndExtendResponse: _TypeAlias = VerifyAndExtendResponse  # noqa: Y015
 
