@@ -11,9 +11,10 @@ prompts, everything in-process. Steps:
    and bf16 by this measurement; the base is the n-gram (prompt lookup, free).
 2. Lossless (each must emit exactly the target-only tokens; checked): target-only decoding; the 2-stage
    pipelines n-gram -> fp32 and mid -> fp32 (model drafter), adaptive k; the 3-stage n-gram -> mid
-   (a Stage, extending 1 token) -> fp32, adaptive k; the shipped cascade's levels in one process (int8
-   model drafter -> bf16 Stage -> fp32: configs/local-cascade.yaml with no service in between, the most
-   its cluster could reach), adaptive k and k = 4 fixed.
+   (a Stage, extending 1 token) -> fp32, adaptive k; the shipped cascade's levels in one process (n-gram
+   -> bf16 Stage filling the target's k -> fp32: configs/local-cascade.yaml with no service in between,
+   the most its cluster could reach), adaptive k and k = 4 fixed; and the levels it shipped before
+   (int8 model drafter -> bf16 Stage extending 1 token -> fp32), adaptive k.
 3. Adaptive (lossy, opt-in): MID (a Stage extending 4 tokens, no base: the chunks the predictor was
    trained on, `specmesh cascade collect --chunk-tokens 4`) -> fp32 with k = 4, one chunk per round;
    for each lambda a fresh `AdaptiveStopper` (the shipped predictor, stage costs from step 1) shared by
@@ -138,17 +139,19 @@ def main() -> int:
     predictor = AgreementPredictor.load(predictor_path, expected_stages=identities)
 
     def shipped_cascade() -> CascadeDrafter:
-        return CascadeDrafter(ModelDrafter(variants["int8"]), [StageModel(variants["bf16"])], [StageSpec(1)])
+        return CascadeDrafter(PromptLookupDrafter(), [StageModel(variants["bf16"])], [StageSpec(fill=True)])
 
     lossless: dict[str, Callable[[], tuple[Drafter | None, KPolicy | None]]] = {
         "target-only": lambda: (None, None),
         "2-stage ngram->fp32": lambda: (PromptLookupDrafter(), AdaptiveK()),
         f"2-stage {mid_name}->fp32": lambda: (ModelDrafter(mid), AdaptiveK()),
         f"3-stage ngram->{mid_name}->fp32": lambda: (CascadeDrafter(PromptLookupDrafter(), [StageModel(mid)], [StageSpec(1)]), AdaptiveK()),
-        # the levels configs/local-cascade.yaml ships (an int8 Draft service, a bf16 Stage): adaptive k, and k = 4
-        # fixed, which drafts on every round whatever the costs say (what the levels give when they are used)
-        "3-stage int8->bf16->fp32 (shipped levels)": lambda: (shipped_cascade(), AdaptiveK()),
-        "3-stage int8->bf16->fp32, k = 4 fixed": lambda: (shipped_cascade(), FixedK(ADAPTIVE_K)),
+        # the levels configs/local-cascade.yaml ships (an n-gram Draft service, a bf16 Stage filling the target's k):
+        # adaptive k, and k = 4 fixed, which drafts on every round whatever the costs say
+        "3-stage ngram->bf16 fill->fp32 (shipped levels)": lambda: (shipped_cascade(), AdaptiveK()),
+        "3-stage ngram->bf16 fill->fp32, k = 4 fixed": lambda: (shipped_cascade(), FixedK(ADAPTIVE_K)),
+        "3-stage int8->bf16->fp32 (levels shipped before)": lambda: (
+            CascadeDrafter(ModelDrafter(variants["int8"]), [StageModel(variants["bf16"])], [StageSpec(1)]), AdaptiveK()),
     }
     adaptive_names = {lam: f"adaptive lambda={lam_name(lam)}" for lam in lambdas}
     sets = {"input-grounded": GROUNDED_PROMPTS, "chat": CHAT_PROMPTS}

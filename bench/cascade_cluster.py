@@ -1,5 +1,6 @@
-"""The shipped cascade through the Coordinator: configs/local-cascade.yaml as it ships (int8 Draft ->
-bf16 Stage -> fp32 Verify, each its own process, placed as the launcher places them on this host),
+"""The shipped cascade through the Coordinator: configs/local-cascade.yaml as it ships (n-gram Draft ->
+bf16 Stage filling the target's k -> fp32 Verify, each its own process, placed as the launcher places
+them on this host),
 against autoregressive decoding through the same cluster.
 
     .venv/bin/python bench/cascade_cluster.py [--repeats 3] [--max-new-tokens 64] [--quick]
@@ -10,7 +11,7 @@ its time per token over autoregressive's of the same prompt and repeat, the medi
 highest prompt beside it). Rows, all through the one Coordinator:
 - autoregressive (the Verify service's `Run`; the reference)
 - speculative, the shipped cascade (`cascade` unset: every configured Stage, cheapest first; lossless)
-- speculative, `cascade: "none"` (the int8 Draft service straight to Verify; lossless)
+- speculative, `cascade: "none"` (the n-gram Draft service straight to Verify; lossless)
 - speculative, adaptive cascade at lambda 16 (`cascade_lambda`: LOSSY, opt-in; the shipped predictor)
 The lossless rows must give autoregressive's tokens; the adaptive row reports its agreement with them.
 Goal (issue 29): the shipped cascade <= 0.90x autoregressive time per token on chat prompts, exact.
@@ -49,8 +50,8 @@ CHAT_PROMPTS = [
 LAMBDA = 16.0
 ROWS = {  # name: (mode, cascade, cascade_lambda or None)
     "autoregressive": (AR, "", None),
-    "speculative, shipped cascade (int8 -> bf16 -> fp32)": (SPEC, "", None),
-    "speculative, no cascade (int8 -> fp32)": (SPEC, "none", None),
+    "speculative, shipped cascade (n-gram -> bf16 fill -> fp32)": (SPEC, "", None),
+    "speculative, no cascade (n-gram -> fp32)": (SPEC, "none", None),
     f"speculative, adaptive cascade, lambda {LAMBDA:g} (lossy)": (SPEC, "", LAMBDA),
 }
 REFERENCE = "autoregressive"
