@@ -73,7 +73,10 @@ class EngineThread:
     `prefill_ms_per_token`: the prior callers' k policies get) are kept apart for jobs on the lent
     threads and jobs on this process's own, each averaged over its own kind (`per_token_ms`): a lone
     session's Propose runs lent, a busy service's on its own threads, and one figure averaging both
-    priced neither (a lone session's drafts at 15-21 ms where they take 12, so it never drafted)."""
+    priced neither (a lone session's drafts at 15-21 ms where they take 12, so it never drafted). The
+    lent figures start as the own threads' (timed at load); the first lent job that times a figure
+    replaces it instead of being averaged in: a bf16 draft's lent step read 14.5 ms after its first lent
+    forward of 10, from the 19 its one own thread takes, which kept a lone session's drafts shut."""
 
     def __init__(self, name: str = "engine", num_threads: int | None = None):
         self.num_threads = num_threads or torch.get_num_threads()
@@ -81,6 +84,7 @@ class EngineThread:
         self.core_share: CoreShare | None = None
         self._apart: EngineStats | None = None  # time_apart's stats
         self._times: dict[bool, tuple[float | None, float | None]] = {}  # lent? -> (step_ms, prefill_ms_per_token)
+        self._stand_ins: set[tuple[bool, int]] = set()  # (lent?, field) of `_times` not yet timed by a job of that kind
         self.threads_now = self.num_threads  # the engine thread's count (set by its initializer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                             initializer=threads_here, initargs=(self.num_threads,))
@@ -101,6 +105,7 @@ class EngineThread:
         both start from the figures it has."""
         self._apart = stats
         self._times = dict.fromkeys((True, False), (stats.step_ms, stats.prefill_ms_per_token))
+        self._stand_ins = {(True, 0), (True, 1)}
 
     @property
     def kept_apart(self) -> bool:
@@ -115,8 +120,10 @@ class EngineThread:
         share = self.core_share
         lent = share.begin(may_borrow) if share is not None else None
         stats = self._apart if self.kept_apart else None
-        if stats is not None:
-            stats.step_ms, stats.prefill_ms_per_token = self._times[bool(lent)]
+        kind = bool(lent)
+        if stats is not None:  # a stand-in is not averaged with: the job's first timing replaces it
+            stats.step_ms, stats.prefill_ms_per_token = (None if (kind, i) in self._stand_ins else figure
+                                                         for i, figure in enumerate(self._times[kind]))
         try:
             if self.threads_for_job is not None:
                 wanted = self.threads_for_job(lent)
@@ -128,7 +135,11 @@ class EngineThread:
             return fn(*args, **kwargs)
         finally:
             if stats is not None:
-                self._times[bool(lent)] = (stats.step_ms, stats.prefill_ms_per_token)
+                timed = (stats.step_ms, stats.prefill_ms_per_token)
+                self._stand_ins -= {(kind, i) for i, figure in enumerate(timed) if figure is not None}
+                self._times[kind] = (timed[0] if timed[0] is not None else self._times[kind][0],
+                                     timed[1] if timed[1] is not None else self._times[kind][1])
+                stats.step_ms, stats.prefill_ms_per_token = self._times[kind]
             if share is not None:
                 share.end()
 
