@@ -36,7 +36,6 @@ from servicekit.metrics import ServiceMetrics
 from servicekit.process import process_info_pb
 from servicekit.session_service import STATE_PRESERVING_ERRORS, SessionService
 from servicekit.streams import check_stream_interval, read_ahead
-from specmesh.decoding.adaptive import AdaptiveK
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import SpeculationState, draft_seed
@@ -106,9 +105,9 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         """A session whose rounds count from `num_prompt_tokens`; its first token is already emitted."""
         state = SpeculationState(target.params, num_prompt_tokens=num_prompt_tokens, max_context=self.engine.max_context,
                                  eos_token_ids=self.engine.eos_token_ids, seed=seed)
-        if isinstance(state.k_policy, AdaptiveK) and self.fused_drafter is not None:  # fused rounds: what drafting costs here
-            state.k_policy.prior_costs(getattr(self.fused_drafter, "ms_per_token", None), self.engine.stats.step_ms,
-                                       0.0 if self._fused_shares_kv else None, forward_cost=self.verifier.forward_cost())
+        if self.fused_drafter is not None:  # fused rounds: what drafting costs here
+            state.prior_costs(getattr(self.fused_drafter, "ms_per_token", None), self.engine.stats.step_ms,
+                              0.0 if self._fused_shares_kv else None, forward_cost=self.verifier.forward_cost())
         state.start(target.pending_token_id)
         return VerifySession(target, state, seed, encoder_input_ids=list(encoder_input_ids), principal=current_principal())
 
@@ -454,9 +453,10 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         if step.asks:
             propose_args = (session.fused.state, step.new_tokens, k, session.target.params, session.fused.generator)
             if getattr(self.fused_drafter, "uses_engine", True):
-                proposal = step.take(await self.engine_thread.run(self.fused_drafter.propose, *propose_args))
+                drafted = await self.engine_thread.run(self.fused_drafter.propose, *propose_args)
             else:  # an n-gram lookup takes microseconds: a hop to the engine thread and back costs more
-                proposal = step.take(self.fused_drafter.propose(*propose_args))
+                drafted = self.fused_drafter.propose(*propose_args)
+            proposal = step.take(drafted, getattr(self.fused_drafter, "ms_per_token", None))  # its figure after these forwards
         draft_ms = (time.perf_counter() - start) * 1e3
         prepared = self._prepare(session, proposal, deterministic=True)  # q travels with the proposal when sampled
         result = await self._apply(session_id, session, *prepared, draft_ms=draft_ms)

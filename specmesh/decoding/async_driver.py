@@ -205,8 +205,8 @@ def _prior_costs(state: SpeculationState, verifier: Any, session: Any, drafter: 
         forward_cost = verifier.opened_forward_cost(session) if isinstance(verifier, ForwardCostReporter) else None
         if isinstance(drafter, AheadReporter) and drafter.opened_drafting_ahead(draft_state):
             state.k_policy.set_drafting_ahead(True)  # first: the first k is priced as drafted ahead
-        state.k_policy.prior_costs(drafter.opened_ms_per_token(draft_state), verifier.opened_ms_per_token(session),
-                                   forward_cost=forward_cost)
+        state.prior_costs(drafter.opened_ms_per_token(draft_state), verifier.opened_ms_per_token(session),
+                          forward_cost=forward_cost)
 
 
 def _check_plan(plan: Plan, drafter: AsyncDrafter | None) -> None:
@@ -232,9 +232,8 @@ async def _client_rounds(verifier: Any, session: Any, state: SpeculationState, d
             draft_ms = (time.perf_counter() - start) * 1e3
             if isinstance(state.k_policy, AdaptiveK) and (state.k_policy.drafts_ahead or drafted.ahead_forward_ms is not None):
                 state.k_policy.set_drafting_ahead(drafted.ahead_forward_ms is not None, drafted.ahead_forward_ms)  # off: a failover
-            if isinstance(state.k_policy, AdaptiveK) and isinstance(drafter, CostReporter):  # its figure after these forwards
-                state.k_policy.refresh_draft_cost(drafter.opened_ms_per_token(draft_state))
-            proposal = step.take(drafted)
+            # the drafter's figure after these forwards
+            proposal = step.take(drafted, drafter.opened_ms_per_token(draft_state) if isinstance(drafter, CostReporter) else None)
         if proposal.unverified:  # lossy, opt-in: an adaptive cascade stopped below the target
             await verifier.commit(session, proposal.token_ids)  # the next Verify carries them (forced_token_ids)
             yield state.record_unverified(proposal.token_ids, draft_ms)

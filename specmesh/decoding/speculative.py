@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from specmesh.decoding.adaptive import AdaptiveK, KPolicy
+from specmesh.decoding.adaptive import KPolicy
 from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator, resolve_seed
 from specmesh.decoding.state import FinishReason, SpeculationState, StepEvent, draft_seed
@@ -77,10 +77,9 @@ def speculative_stream(
     )
     # a self-draft on the target's own model takes what it was not told from the target's KV (drafters/model.py)
     shares_kv = drafter is not None and getattr(drafter, "kv_source", None) is engine
-    if isinstance(state.k_policy, AdaptiveK) and drafter is not None:  # this process's measured costs, if any
+    if drafter is not None:  # this process's measured costs, if any
         catch_up_ms = 0.0 if shares_kv else getattr(drafter, "catch_up_ms_per_token", None)  # (a copy, not a forward)
-        state.k_policy.prior_costs(getattr(drafter, "ms_per_token", None), engine.stats.step_ms, catch_up_ms,
-                                   verifier.forward_cost())
+        state.prior_costs(getattr(drafter, "ms_per_token", None), engine.stats.step_ms, catch_up_ms, verifier.forward_cost())
     start = time.perf_counter()
     session = verifier.open(prompt_ids, params, target_generator)
     draft_state = None
@@ -97,10 +96,9 @@ def speculative_stream(
             if step.asks:
                 assert drafter is not None  # has_drafter
                 start = time.perf_counter()
-                proposal = step.take(drafter.propose(draft_state, step.new_tokens, k, params, draft_generator))
+                drafted = drafter.propose(draft_state, step.new_tokens, k, params, draft_generator)
                 draft_ms = (time.perf_counter() - start) * 1e3
-                if isinstance(state.k_policy, AdaptiveK):  # the drafter's figure after these forwards
-                    state.k_policy.refresh_draft_cost(getattr(drafter, "ms_per_token", None))
+                proposal = step.take(drafted, getattr(drafter, "ms_per_token", None))  # its figure after these forwards
             if proposal.unverified:  # lossy, opt-in: the cascade stopped early; the target catches up next forward
                 verifier.append_unverified(session, proposal.token_ids)
                 yield state.record_unverified(proposal.token_ids, draft_ms)

@@ -81,7 +81,9 @@ class DraftStep:
 
     `new_tokens`: what the sequence grew by since the drafter was last told (taken: the drafter
     must be told them now); `take` gates the drafter's proposal (`SpeculationState.gate`) unless
-    the round's k was fixed by the caller."""
+    the round's k was fixed by the caller, and hands the k policy the drafter's own figure for a draft
+    token after these forwards (`drafter_ms_per_token`; `AdaptiveK.refresh_draft_cost`), so that no
+    driver can leave a stale prior in place."""
 
     __slots__ = ("asks", "k", "new_tokens", "_state", "_gated")
 
@@ -91,10 +93,13 @@ class DraftStep:
         self.new_tokens = state.take_draft_input() if self.asks else []
         self._state, self._gated = state, gated
 
-    def take(self, proposal: DraftProposal) -> DraftProposal:
-        """The proposal this round verifies."""
+    def take(self, proposal: DraftProposal, drafter_ms_per_token: float | None = None) -> DraftProposal:
+        """The proposal this round verifies. `drafter_ms_per_token`: what the drafter says a draft token
+        costs now, after this proposal's forwards (None: it says nothing)."""
         if not self.asks:
             raise RuntimeError("the drafter was not asked this round: the round verifies no draft")
+        if isinstance(self._state.k_policy, AdaptiveK):
+            self._state.k_policy.refresh_draft_cost(drafter_ms_per_token)
         return self._state.gate(proposal) if self._gated else proposal
 
 
@@ -174,6 +179,13 @@ class SpeculationState:
             return 0
         k = self.k_policy.next_k() if requested is None else requested
         return max(0, min(k, self.max_draft_tokens))
+
+    def prior_costs(self, draft_ms_per_token: float | None, decode_ms: float | None,
+                    catch_up_ms_per_token: float | None = None, forward_cost: ForwardCost | None = None) -> None:
+        """Costs known before the first round, for a k policy that prices rounds (`AdaptiveK.prior_costs`);
+        other policies take none."""
+        if isinstance(self.k_policy, AdaptiveK):
+            self.k_policy.prior_costs(draft_ms_per_token, decode_ms, catch_up_ms_per_token, forward_cost)
 
     def draft_step(self, k: int, *, fixed_k: bool = False) -> DraftStep:
         """The draft sub-step of a round at draft length `k` (`DraftStep`): whether the drafter is

@@ -126,3 +126,26 @@ def test_the_policy_hears_each_rounds_catch_up_and_the_next_rounds_outlook():
         (3, 3, Outlook(0, 10)),  # caught up on 3 plain tokens; the next round hears its verdict only
         (1, 0, Outlook(0, 9)),
     ]
+
+
+def test_the_draft_step_hands_the_policy_the_drafters_figure_after_its_forwards():
+    """Every driver's draft step (`DraftStep.take`) refreshes an adaptive policy's prior draft cost with
+    the drafter's own figure after the proposal's forwards, and the state forwards prior costs to a
+    policy that takes them: a driver cannot leave a stale prior in place (the Verify service's fused
+    rounds did)."""
+    from specmesh.decoding.adaptive import AdaptiveK
+
+    state = SpeculationState(SamplingParams(temperature=0, max_new_tokens=40), num_prompt_tokens=3, max_context=100,
+                             eos_token_ids=[], has_drafter=True)
+    state.prior_costs(draft_ms_per_token=16.3, decode_ms=20.0)  # timed on a busy machine: the gate is shut
+    policy = state.k_policy
+    assert isinstance(policy, AdaptiveK) and policy.draft_ms_per_token == 16.3 and not policy.could_pay()
+    state.start(7)
+    step = state.draft_step(2, fixed_k=True)
+    step.take(DraftProposal([1, 2]), drafter_ms_per_token=10.0)
+    assert policy.draft_ms_per_token == 10.0 and policy.could_pay()
+    fixed = SpeculationState(SamplingParams(temperature=0, max_new_tokens=40), num_prompt_tokens=3, max_context=100,
+                             eos_token_ids=[], has_drafter=True, k_policy=FixedK(3))
+    fixed.prior_costs(16.3, 20.0)  # a policy that prices nothing takes none
+    fixed.start(7)
+    assert fixed.draft_step(3).take(DraftProposal([1, 2, 3]), drafter_ms_per_token=10.0).token_ids == [1, 2, 3]
