@@ -86,23 +86,22 @@ class AsyncStage(Protocol):
         ...
 
 
-def cost_floor(base_ms: float | None, has_base: bool, specs: Sequence[StageSpec],
-               stage_ms: Sequence[float | None]) -> float | None:
+def cost_floor(base_ms: float | None, specs: Sequence[StageSpec], stage_ms: Sequence[float | None]) -> float | None:
     """A floor of a cascade draft token's cost, for the k policy's prior (`AdaptiveK.prior_costs`): the
     base drafter's token, plus each filling stage's (a filling stage drafts what the base did not give,
     a forward a token); stages of a fixed extension add a forward a round, left to rounds to measure.
-    None when no part is known: an n-gram base (free) under stages that do not fill, or costs not yet
-    timed. Without a prior the first round, which also prefills the prompt on every level, stands for
+    None when no part is known (an n-gram base, which is free, or none, under stages that do not fill)
+    or a filling stage's cost is not yet timed. Without a prior the first round, which also prefills the prompt on every level, stands for
     a draft token's cost, and keeps the cascade at k = 0 for the rest of a request (measured: 34 ms a
     token for a bf16 stage whose forwards take 10).
 
-    >>> cost_floor(None, True, [StageSpec(fill=True)], [10.0]), cost_floor(2.0, True, [StageSpec()], [10.0])
+    >>> cost_floor(None, [StageSpec(fill=True)], [10.0]), cost_floor(2.0, [StageSpec()], [10.0])
     (10.0, 2.0)
-    >>> cost_floor(None, True, [StageSpec()], [10.0]) is None, cost_floor(None, True, [StageSpec(fill=True)], [None]) is None
+    >>> cost_floor(None, [StageSpec()], [10.0]) is None, cost_floor(None, [StageSpec(fill=True)], [None]) is None
     (True, True)
     """
     filling = [ms for spec, ms in zip(specs, stage_ms) if spec.fill]
-    if any(ms is None for ms in filling) or (has_base and base_ms is None and not filling):
+    if any(ms is None for ms in filling) or (base_ms is None and not filling):
         return None
     return (base_ms or 0.0) + sum(ms for ms in filling if ms is not None)
 
@@ -192,8 +191,7 @@ class CascadeDrafter:
     def ms_per_token(self) -> float | None:
         """A floor of a draft token's cost here (`cost_floor`), from the engines' one-token forwards."""
         base_ms = getattr(self.base, "ms_per_token", None)
-        return cost_floor(base_ms, self.base is not None, self.specs,
-                          [getattr(stage, "ms_per_token", None) for stage in self.stages])
+        return cost_floor(base_ms, self.specs, [getattr(stage, "ms_per_token", None) for stage in self.stages])
 
     def check_call(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> None:
         if max_tokens < 0:
@@ -308,7 +306,7 @@ class AsyncCascadeDrafter:
                     for stage, session in zip(self.stages, state.stages)]
         specs = [spec for spec, stats in zip(self.specs, state.stage_stats) if not stats.retired]
         live = [ms for ms, stats in zip(stage_ms, state.stage_stats) if not stats.retired]
-        return cost_floor(base_ms, self.base is not None, specs, live)
+        return cost_floor(base_ms, specs, live)
 
     async def propose(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         book = state.book

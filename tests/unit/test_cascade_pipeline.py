@@ -117,8 +117,8 @@ def test_a_cascades_prior_is_its_base_and_filling_stages_tokens(engines):
     assert CascadeDrafter(PromptLookupDrafter(), [stage], [StageSpec()]).ms_per_token is None  # n-gram: unknown
     base = ModelDrafter(engines["draft"])
     assert CascadeDrafter(base, [stage], [StageSpec()]).ms_per_token == base.ms_per_token
-    assert cost_floor(2.0, True, [StageSpec(fill=True), StageSpec(fill=True)], [3.0, 4.0]) == 9.0
-    assert cost_floor(None, False, [StageSpec()], [3.0]) == 0.0  # the first stage drafts alone, a forward a round
+    assert cost_floor(2.0, [StageSpec(fill=True), StageSpec(fill=True)], [3.0, 4.0]) == 9.0
+    assert CascadeDrafter(None, [stage], [StageSpec()]).ms_per_token is None  # a forward a round: rounds measure it
 
 
 def test_spec_and_seed_validation():
