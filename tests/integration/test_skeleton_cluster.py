@@ -498,8 +498,8 @@ def test_auto_measures_skeleton_against_plain_at_start(target):
         while gate.probing and time.monotonic() < deadline_s:
             time.sleep(0.1)
         assert not gate.probing and gate.num_skeleton_answers == 1 and len(gate.plain_ms_per_token) == 1
+        closed = gate.closed_reason()  # the verdict the question is routed by (its own answer is measured too)
         routed = _run(_stream(auto.address, _ask_list_question()))[-1]
-        closed = gate.closed_reason()
         expected = coordinator_pb2.GENERATION_MODE_SPECULATIVE if closed else coordinator_pb2.GENERATION_MODE_SKELETON
         assert routed.mode_choice.mode == expected, (routed.mode_choice.reason, closed)
         if closed:
