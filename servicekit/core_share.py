@@ -158,14 +158,13 @@ async def measure_when_lent(engine_thread, engine, tries: int = 40, interval_s: 
                               tries, interval_s, keep_load_timing=False)
 
 
-async def measure_when_settled(engine_thread, engine, is_idle: Callable[[], bool], delay_s: float = 0.0,
-                               tries: int = 40, interval_s: float = 0.25) -> bool:
-    """Time the engine's step again from `delay_s` after start, in LENT_TIMINGS jobs LENT_TIMING_SPACING_S
-    apart while `is_idle()` (no session open), keeping the fastest with the load-time figure: a service of one
+async def measure_when_settled(engine_thread, engine, is_idle: Callable[[], bool], tries: int = 40,
+                               interval_s: float = 0.25) -> bool:
+    """Time the engine's step again after start, in LENT_TIMINGS jobs LENT_TIMING_SPACING_S apart while
+    `is_idle()` (no session open), keeping the fastest with the load-time figure: a service of one
     host that borrows no cores (a Stage service) timed its step at load beside the other processes
     loading, and a figure that reads high is what callers price its tokens at until a request runs them
     (measured: a bf16 Stage read 20.6 ms where its forwards take 10, and its cascade never drafted)."""
-    await asyncio.sleep(delay_s)
     return await _retime_step(engine_thread, engine, is_idle, tries, interval_s, keep_load_timing=True)
 
 

@@ -73,10 +73,11 @@ class EngineThread:
     `prefill_ms_per_token`: the prior callers' k policies get) are kept apart for jobs on the lent
     threads and jobs on this process's own, each averaged over its own kind (`per_token_ms`): a lone
     session's Propose runs lent, a busy service's on its own threads, and one figure averaging both
-    priced neither (a lone session's drafts at 15-21 ms where they take 12, so it never drafted). The
-    lent figures start as the own threads' (timed at load); the first lent job that times a figure
-    replaces it instead of being averaged in: a bf16 draft's lent step read 14.5 ms after its first lent
-    forward of 10, from the 19 its one own thread takes, which kept a lone session's drafts shut."""
+    priced neither (a lone session's drafts at 15-21 ms where they take 12, so it never drafted). A lent
+    figure no lent job has timed yet is None, and the own threads' stands in for it where it is read;
+    the first lent job's timing sets it instead of being averaged with that stand-in: a bf16 draft's lent
+    step read 14.5 ms after its first lent forward of 10, from the 19 its one own thread takes, which kept
+    a lone session's drafts shut."""
 
     def __init__(self, name: str = "engine", num_threads: int | None = None):
         self.num_threads = num_threads or torch.get_num_threads()
@@ -84,7 +85,6 @@ class EngineThread:
         self.core_share: CoreShare | None = None
         self._apart: EngineStats | None = None  # time_apart's stats
         self._times: dict[bool, tuple[float | None, float | None]] = {}  # lent? -> (step_ms, prefill_ms_per_token)
-        self._stand_ins: set[tuple[bool, int]] = set()  # (lent?, field) of `_times` not yet timed by a job of that kind
         self.threads_now = self.num_threads  # the engine thread's count (set by its initializer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                             initializer=threads_here, initargs=(self.num_threads,))
@@ -102,10 +102,9 @@ class EngineThread:
 
     def time_apart(self, stats: EngineStats) -> None:
         """Keep `stats`' per-token times apart for lent and unlent jobs from now on (class docstring);
-        both start from the figures it has."""
+        the own threads' start from the figures it has (timed at load), the lent ones untimed."""
         self._apart = stats
-        self._times = dict.fromkeys((True, False), (stats.step_ms, stats.prefill_ms_per_token))
-        self._stand_ins = {(True, 0), (True, 1)}
+        self._times = {False: (stats.step_ms, stats.prefill_ms_per_token), True: (None, None)}
 
     @property
     def kept_apart(self) -> bool:
@@ -114,16 +113,20 @@ class EngineThread:
     def per_token_ms(self, lent: bool) -> float | None:
         """With `time_apart`: the one-token forward of jobs on the lent threads (`lent`) or on this
         process's own, as recently averaged."""
-        return self._times[lent][0] if self._times else None
+        return self._figures(lent)[0] if self._times else None
+
+    def _figures(self, lent: bool) -> tuple[float | None, float | None]:
+        """The (step_ms, prefill_ms_per_token) of that kind of job, the own threads' standing in for a lent
+        figure not timed yet."""
+        (step, prefill), (own_step, own_prefill) = self._times[lent], self._times[False]
+        return own_step if step is None else step, own_prefill if prefill is None else prefill
 
     def _job(self, fn, args, kwargs, may_borrow: bool):
         share = self.core_share
         lent = share.begin(may_borrow) if share is not None else None
         stats = self._apart if self.kept_apart else None
-        kind = bool(lent)
-        if stats is not None:  # a stand-in is not averaged with: the job's first timing replaces it
-            stats.step_ms, stats.prefill_ms_per_token = (None if (kind, i) in self._stand_ins else figure
-                                                         for i, figure in enumerate(self._times[kind]))
+        if stats is not None:  # an untimed figure (None) is set by the job's first timing, not averaged with a stand-in
+            stats.step_ms, stats.prefill_ms_per_token = self._times[bool(lent)]
         try:
             if self.threads_for_job is not None:
                 wanted = self.threads_for_job(lent)
@@ -135,11 +138,8 @@ class EngineThread:
             return fn(*args, **kwargs)
         finally:
             if stats is not None:
-                timed = (stats.step_ms, stats.prefill_ms_per_token)
-                self._stand_ins -= {(kind, i) for i, figure in enumerate(timed) if figure is not None}
-                self._times[kind] = (timed[0] if timed[0] is not None else self._times[kind][0],
-                                     timed[1] if timed[1] is not None else self._times[kind][1])
-                stats.step_ms, stats.prefill_ms_per_token = self._times[kind]
+                self._times[bool(lent)] = (stats.step_ms, stats.prefill_ms_per_token)
+                stats.step_ms, stats.prefill_ms_per_token = self._figures(bool(lent))
             if share is not None:
                 share.end()
 

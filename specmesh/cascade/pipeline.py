@@ -91,9 +91,9 @@ def cost_floor(base_ms: float | None, specs: Sequence[StageSpec], stage_ms: Sequ
     base drafter's token, plus each filling stage's (a filling stage drafts what the base did not give,
     a forward a token); stages of a fixed extension add a forward a round, left to rounds to measure.
     None when no part is known (an n-gram base, which is free, or none, under stages that do not fill)
-    or a filling stage's cost is not yet timed. Without a prior the first round, which also prefills the prompt on every level, stands for
-    a draft token's cost, and keeps the cascade at k = 0 for the rest of a request (measured: 34 ms a
-    token for a bf16 stage whose forwards take 10).
+    or a filling stage's cost is not yet timed. Without a prior the first round, which also prefills
+    the prompt on every level, stands for a draft token's cost, and keeps the cascade at k = 0 for the
+    rest of a request (measured: 34 ms a token for a bf16 stage whose forwards take 10).
 
     >>> cost_floor(None, [StageSpec(fill=True)], [10.0]), cost_floor(2.0, [StageSpec()], [10.0])
     (10.0, 2.0)
@@ -302,11 +302,10 @@ class AsyncCascadeDrafter:
         base_ms = None
         if isinstance(self.base, CostReporter) and state.base is not None:
             base_ms = self.base.opened_ms_per_token(state.base)
-        stage_ms = [None if session is None else stage.opened_ms_per_token(session)
-                    for stage, session in zip(self.stages, state.stages)]
-        specs = [spec for spec, stats in zip(self.specs, state.stage_stats) if not stats.retired]
-        live = [ms for ms, stats in zip(stage_ms, state.stage_stats) if not stats.retired]
-        return cost_floor(base_ms, specs, live)
+        live = [(spec, None if session is None else stage.opened_ms_per_token(session))
+                for spec, stage, session, stats in zip(self.specs, self.stages, state.stages, state.stage_stats)
+                if not stats.retired]
+        return cost_floor(base_ms, [spec for spec, _ in live], [ms for _, ms in live])
 
     async def propose(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         book = state.book
