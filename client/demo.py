@@ -6,7 +6,10 @@
    of TIMED_RUNS runs (the first one streamed), as one run is too noisy a figure on a shared machine.
 2. Through the Coordinator: the local cluster (configs/local.yaml: Draft, Verify and Coordinator,
    each its own process, on free loopback ports) is started, the same two prompts are streamed
-   through the Coordinator with the `specmesh` client library, and each is timed in CLUSTER_PAIRS pairs:
+   through the Coordinator with the `specmesh` client library (both drafted on the Verify service, which
+   hosts the bf16 self-draft and prompt lookup: `model_placement` / `ngram_placement: verify`, as on one
+   host the two processes share the cores and memory bandwidth a Draft service would need to draft
+   while the target verifies), and each is timed in CLUSTER_PAIRS pairs:
    the same request in-process and through the cluster back to back, so a ratio's two sides see the
    machine's speed of one moment. Then the coordinator's totals, and the cluster is stopped.
 3. Skeleton-of-Thought through the same Coordinator: a 4-point plan (forced whole: the 135M model
@@ -46,7 +49,7 @@ CLUSTER_PAIRS = 5
 class Run:
     label: str
     prompt: str
-    drafter: str  # in-process drafter; the cluster's: "service" (the Draft service's bf16 self-draft) or "ngram"
+    drafter: str  # in-process drafter; the cluster's: "service" (the bf16 self-draft, placed on the Verify service) or "ngram"
     text: str = ""  # the in-process answer, which the cluster's must equal
 
 
@@ -103,6 +106,9 @@ async def _through_the_coordinator(address: str, runs: list[Run], generator) -> 
         for drafter in dict.fromkeys("ngram" if run.drafter == "ngram" else "service" for run in runs):
             await client.collect([{"role": "user", "content": runs[0].prompt}], mode="speculative", drafter=drafter,
                                  max_new_tokens=8)
+        print("(configs/local.yaml places both drafters on the Verify service, which steps the rounds itself: on one host\n"
+              " a Draft service has no cores or memory bandwidth of its own to draft with while the target verifies;\n"
+              " with `model_placement: draft` the Draft service drafts instead, see bench/draft_ahead.py)")
         for run in runs:
             drafter = "ngram" if run.drafter == "ngram" else "service"
             print(f"\nuser: {run.prompt}\nassistant: ", end="", flush=True)

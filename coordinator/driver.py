@@ -126,9 +126,10 @@ class FailoverVerifier:
     """An `AsyncStepper` over the Verify replicas of `pool` (module docstring)."""
 
     def __init__(self, pool: ServicePool, info: TargetInfo, calls: Calls, failovers: Failovers, sparse_q: bool = False,
-                 encoder_input_ids: Sequence[int] = (), stream_interval_ms: int = 0):
+                 encoder_input_ids: Sequence[int] = (), stream_interval_ms: int = 0, fused_drafter: str = ""):
         self.pool = pool
         self.stream_interval_ms = stream_interval_ms  # a Run's messages: at most one per this many ms (0: per round)
+        self.fused_drafter = fused_drafter  # which hosted drafter fused rounds draft with ("": the replica's default)
         self._info = info
         self.encoder_input_ids = list(encoder_input_ids)  # an encoder-decoder target's input (every replica opened gets it)
         self.calls = calls
@@ -176,7 +177,7 @@ class FailoverVerifier:
 
     async def step(self, handle: VerifyHandle, k: int) -> tuple[int, VerifyOutcome, FinishReason | None, float]:
         try:
-            num_drafted, outcome, finish, draft_ms = await handle.remote.step(handle.session_id, k)
+            num_drafted, outcome, finish, draft_ms = await handle.remote.step(handle.session_id, k, self.fused_drafter)
         except grpc.aio.AioRpcError as exc:
             if not replica_failed(exc):
                 raise
@@ -194,7 +195,7 @@ class FailoverVerifier:
         left = max_rounds
         while True:
             rounds = handle.remote.run(handle.session_id, draft=draft, k=k, max_rounds=left,
-                                       deadline_s=self.calls.remaining_s())
+                                       deadline_s=self.calls.remaining_s(), fused_drafter=self.fused_drafter if draft else "")
             try:
                 async for num_drafted, outcome, finish, draft_ms in rounds:
                     handle.emitted.extend(outcome.token_ids)

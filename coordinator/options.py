@@ -9,6 +9,7 @@ from servicekit.options import ServerOptions
 MODES = ("speculative", "fused", "autoregressive", "auto")
 DRAFTERS = ("service", "ngram", "none")
 NGRAM_PLACEMENTS = ("verify", "coordinator")
+MODEL_PLACEMENTS = ("draft", "verify")
 SKELETON_LAYOUTS = ("batching", "one_sequence")  # common.proto BranchLayout, as config names
 
 
@@ -24,6 +25,10 @@ class CoordinatorOptions(ServerOptions):
     # where a speculative request's n-gram drafts are made: verify (on the Verify service when it hosts
     # the n-gram drafter: it steps the rounds itself, no round trip per draft) | coordinator (here)
     ngram_placement: str = "verify"
+    # where a speculative request's model drafts (drafter "service") are made: draft (the Draft service, a
+    # Propose and a Verify call per round) | verify (on the Verify service when it hosts a model drafter,
+    # `fused_drafter: ...,model`: it drafts and steps the rounds itself, as one process would)
+    model_placement: str = "draft"
     default_max_new_tokens: int = 256
     q_dtype: str = "float32"  # how draft distributions travel: float32 | float16 | bfloat16
     sparse_q: bool = False  # send only q's support

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from coordinator.cascade import CascadeStages, load_stopper, parse_cascade_stages
-from coordinator.options import DRAFTERS, MODES, NGRAM_PLACEMENTS, SKELETON_LAYOUTS, CoordinatorOptions
+from coordinator.options import DRAFTERS, MODEL_PLACEMENTS, MODES, NGRAM_PLACEMENTS, SKELETON_LAYOUTS, CoordinatorOptions
 from coordinator.pools import ServicePool, parse_addresses
 from coordinator.servicer import CoordinatorServicer
 from servicekit.channels import DEFAULT_OPTIONS, open_channel
@@ -30,6 +30,8 @@ def _check(options: CoordinatorOptions) -> None:
         raise ValueError(f"unknown default_drafter {options.default_drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if options.ngram_placement not in NGRAM_PLACEMENTS:
         raise ValueError(f"unknown ngram_placement {options.ngram_placement!r}; choose one of {', '.join(NGRAM_PLACEMENTS)}")
+    if options.model_placement not in MODEL_PLACEMENTS:
+        raise ValueError(f"unknown model_placement {options.model_placement!r}; choose one of {', '.join(MODEL_PLACEMENTS)}")
     if options.q_dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"q_dtype must be float32, float16 or bfloat16, got {options.q_dtype!r}")
     if options.skeleton_max_parallel < 1:
@@ -54,7 +56,8 @@ def _channel_factory(options: CoordinatorOptions):
 async def target_info(pool: ServicePool, deadline_s: float) -> tuple[TargetInfo, list[int] | None, str]:
     """The target's vocab, context and EOS ids, from the first Verify replica that answers; for an
     encoder-decoder target the decoder prompt its generations start from (None: decoder-only); and
-    the drafter the Verify service hosts ("" for none; replicas of one service share their config)."""
+    the drafters the Verify service hosts (comma-separated, "" for none; replicas of one service share
+    their config)."""
     last_error: Exception | None = None
     while time.monotonic() < deadline_s:
         for replica in pool.replicas.replicas:

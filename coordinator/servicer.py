@@ -43,6 +43,7 @@ from specmesh.skeleton.automaton import SkeletonFormat
 from specmesh.skeleton.gate import PROBE_MAX_NEW_TOKENS, PROBE_QUESTION, SkeletonGate
 
 NGRAM_ON_VERIFY = "ngram@verify"  # the stats' drafter of n-gram drafts placed on the Verify service
+MODEL_ON_VERIFY = "model@verify"  # ... of model drafts placed there (model_placement: verify)
 log = logging.getLogger("specmesh.coordinator")
 READ_AHEAD_RESPONSES = 8  # rounds a stream may run ahead of a slow client before it waits
 
@@ -83,8 +84,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.decoder_prompt_ids = list(decoder_prompt_ids) if decoder_prompt_ids is not None else None
         # a speculative request's n-gram drafts are made on the Verify service when it hosts that drafter
         # (an n-gram lookup reads only the session's own tokens, which live there): its rounds then run as
-        # fused ones, with no round trip per draft; else (or ngram_placement: coordinator) here
-        self.ngram_on_verify = options.ngram_placement == "verify" and verify_drafter == "ngram"
+        # fused ones, with no round trip per draft; else (or ngram_placement: coordinator) here. Model drafts
+        # likewise with model_placement: verify, where it hosts a model drafter; else on the Draft service
+        hosted = {name.strip() for name in verify_drafter.split(",")}
+        self.on_verify = {"ngram": "ngram" if options.ngram_placement == "verify" and "ngram" in hosted else "",
+                          "service": "model" if options.model_placement == "verify" and "model" in hosted else ""}
         self.q_dtype = getattr(torch, options.q_dtype)
         self.totals = SpecStats()
         self.num_requests = self.num_active = self.num_failed = self.num_cancelled = self.num_failovers = 0
@@ -203,14 +207,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                      ) -> AsyncGenerator[coordinator_pb2.GenerateResponse, None]:
         """The speculative, fused and autoregressive modes: one stream, on the main branch (-1)."""
         named_cascade = request.cascade not in ("", NO_CASCADE)
-        # an n-gram request on a coordinator that places n-gram drafting on the Verify service runs fused there
-        on_verify = mode == "speculative" and drafter_kind == "ngram" and self.ngram_on_verify and not named_cascade
+        # a request whose drafter this coordinator places on the Verify service runs fused there, with that drafter
+        fused_name = self.on_verify.get(drafter_kind, "") if mode == "speculative" and not named_cascade else ""
+        on_verify = bool(fused_name)
         stages_here = mode == "speculative" and not encoder_ids and not on_verify  # "" = the configured stages
         cascade = bool(request_stages(request.cascade, self.cascade.configured)) if stages_here else named_cascade
         plan = choose_plan(mode, drafter=drafter_kind != "none", cascade=cascade, server_rounds=self.options.server_rounds,
                            drafter_on_verify=on_verify)
         verifier = FailoverVerifier(self.verify, self.info, calls, failovers, sparse_q=self.options.sparse_q,
-                                    encoder_input_ids=encoder_ids, stream_interval_ms=stream_interval_ms)
+                                    encoder_input_ids=encoder_ids, stream_interval_ms=stream_interval_ms,
+                                    fused_drafter=fused_name)
         drafter = None
         if plan.drafts_here and drafter_kind != "none":
             drafter = FailoverDrafter(self.draft, calls, failovers, use_service=drafter_kind == "service" and bool(self.draft),
@@ -231,7 +237,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     response.finish_reason = FINISH_TO_PB[event.finish_reason]
                     response.stats.CopyFrom(self._final_stats(event.stats, plan, drafter, failovers))
                     if on_verify:
-                        response.stats.drafter = NGRAM_ON_VERIFY
+                        response.stats.drafter = NGRAM_ON_VERIFY if fused_name == "ngram" else MODEL_ON_VERIFY
                     if isinstance(outer, NamedCascade):
                         response.stats.cascade_stages.extend(cascade_stats_pb(outer))
                         response.stats.lossy |= bool(adaptive_stats(outer)["lossy"])

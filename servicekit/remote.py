@@ -160,9 +160,11 @@ class RemoteVerifier:
         self.counters.end_round()
         return outcome_from_pb(response, proposal), FINISH_FROM_PB[response.finish_reason]
 
-    async def step(self, session_id: str, k: int) -> tuple[int, VerifyOutcome, FinishReason | None, float]:
-        """One fused round (the Verify service drafts k tokens itself): (k drafted, outcome, finish, draft ms)."""
-        request = verify_pb2.StepRequest(session_id=session_id, num_draft_tokens=k, round_index=self._rounds.get(session_id, 0))
+    async def step(self, session_id: str, k: int, fused_drafter: str = "") -> tuple[int, VerifyOutcome, FinishReason | None, float]:
+        """One fused round (the Verify service drafts k tokens itself, with its hosted `fused_drafter`, "" = its
+        default): (k drafted, outcome, finish, draft ms)."""
+        request = verify_pb2.StepRequest(session_id=session_id, num_draft_tokens=k, round_index=self._rounds.get(session_id, 0),
+                                         fused_drafter=fused_drafter)
         response = await call_round(self.stub.Step, request, self.timeout_s, self.metadata or ())
         self._rounds[session_id] = response.result.round_index + 1
         self._heard_kv(session_id, response.result)
@@ -172,8 +174,8 @@ class RemoteVerifier:
         return (response.num_draft_tokens, outcome_from_pb(response.result, drafted),
                 FINISH_FROM_PB[response.result.finish_reason], response.draft_ms)
 
-    async def run(self, session_id: str, *, draft: bool, k: int = 0, max_rounds: int = 0,
-                  deadline_s: float | None = None) -> AsyncIterator[tuple[int, VerifyOutcome, FinishReason | None, float]]:
+    async def run(self, session_id: str, *, draft: bool, k: int = 0, max_rounds: int = 0, deadline_s: float | None = None,
+                  fused_drafter: str = "") -> AsyncIterator[tuple[int, VerifyOutcome, FinishReason | None, float]]:
         """Server-driven rounds (the Run RPC): per round as it lands, (k drafted, outcome, finish,
         draft ms); `max_rounds` > 0 ends the stream after that many, the session left open.
         `deadline_s` bounds the whole stream (None: the request's own has none); each round must
@@ -181,7 +183,7 @@ class RemoteVerifier:
         would. Leaving the loop early cancels the call, which closes the session."""
         request = verify_pb2.RunRequest(session_id=session_id, draft=draft, num_draft_tokens=k, max_rounds=max_rounds,
                                         round_index=self._rounds.get(session_id, 0),
-                                        stream_interval_ms=self.stream_interval_ms)
+                                        stream_interval_ms=self.stream_interval_ms, fused_drafter=fused_drafter)
         call = self.stub.Run(request, timeout=deadline_s, metadata=self.metadata)
         self.counters.add(request)
         try:

@@ -50,7 +50,7 @@ class SessionService:
         self._reserved: defaultdict[str, Holdings] = defaultdict(Holdings)  # admitted, not yet added
         self._background: set[asyncio.Task] = set()
         self.draining = False  # set by `start_draining`: open sessions go on, new ones are refused
-        self.remeasure: asyncio.Task | None = None  # the step timed again on lent threads (`measure_when_lent`)
+        self.remeasure: list[asyncio.Task] = []  # steps timed again on lent threads (`measure_when_lent`), one task per engine
 
     def free_session(self, session: Any) -> None:
         """Engine thread: release what `session` holds. Each servicer says what that is."""
@@ -161,20 +161,22 @@ class SessionService:
     async def stop_batchers(self) -> None:
         """Servicers with batchers close them here, before the sessions go."""
 
-    def time_step_when_lent(self, engine) -> None:
-        """With a core board, time `engine`'s step again once its lenders are idle
+    def time_step_when_lent(self, *engines) -> None:
+        """With a core board, time each engine's step again once its lenders are idle
         (`servicekit.core_share.measure_when_lent`); cancelled at shutdown if still waiting."""
         if self.engine_thread.core_share is not None:
-            self.remeasure = asyncio.get_running_loop().create_task(measure_when_lent(self.engine_thread, engine))
+            loop = asyncio.get_running_loop()
+            self.remeasure += [loop.create_task(measure_when_lent(self.engine_thread, engine)) for engine in engines]
 
     def time_step_when_settled(self, engine) -> None:
         """Time `engine`'s step again a moment after start while no session is open
         (`servicekit.core_share.measure_when_settled`); cancelled at shutdown if still waiting."""
-        self.remeasure = asyncio.get_running_loop().create_task(
-            measure_when_settled(self.engine_thread, engine, lambda: len(self.sessions) == 0))
+        self.remeasure.append(asyncio.get_running_loop().create_task(
+            measure_when_settled(self.engine_thread, engine, lambda: len(self.sessions) == 0)))
 
     async def shutdown(self) -> None:
-        await cancel_and_wait(self.remeasure)
+        for task in self.remeasure:
+            await cancel_and_wait(task)
         await self.stop_batchers()
         await self.sessions.stop()
         if self._background:

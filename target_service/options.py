@@ -7,7 +7,23 @@ from dataclasses import dataclass
 from servicekit.options import CoreOptions, ModelOptions, ServerOptions
 from servicekit.quotas import QuotaOptions
 
-FUSED_DRAFTERS = ("", "ngram", "ngram-store", "model")
+FUSED_DRAFTERS = ("ngram", "ngram-store", "model")
+
+
+def fused_drafter_names(value: str) -> tuple[str, ...]:
+    """The drafters a `fused_drafter` value hosts, in order (the first is a Step's default): a comma list
+    of FUSED_DRAFTERS names, "" for none. ValueError for an unknown or repeated name.
+
+    >>> fused_drafter_names("ngram, model"), fused_drafter_names("")
+    (('ngram', 'model'), ())
+    """
+    names = tuple(part.strip() for part in value.split(",") if part.strip())
+    unknown = [name for name in names if name not in FUSED_DRAFTERS]
+    if unknown:
+        raise ValueError(f"unknown fused drafter {unknown[0]!r}; choose from {', '.join(FUSED_DRAFTERS)} (comma-separated)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"fused_drafter {value!r} names a drafter twice")
+    return names
 
 
 @dataclass
@@ -18,7 +34,8 @@ class VerifyOptions(ServerOptions, ModelOptions, QuotaOptions, CoreOptions):
     prefill_chunk_tokens: int = 512  # prompt tokens per prefill forward; other sessions' rounds run between; 0 = one forward
     max_draft_tokens: int = 64  # largest k a Verify may carry
     max_fork_children: int = 64  # most children one Fork may create
-    fused_drafter: str = "ngram"  # drafter hosted for Step: "" (none) | ngram | ngram-store | model
+    # drafters hosted for Step / Run, comma-separated, the first the default: "" (none) | ngram | ngram-store | model
+    fused_drafter: str = "ngram"
     fused_drafter_model: str = ""  # model spec of the fused model drafter; "" = the target's own weights
     fused_drafter_dtype: str = "bfloat16"  # dtype of the fused model drafter (self-draft at lower precision)
     share_kv: bool = True  # KV cache in shared memory (CPU): a Draft service of this model on this host copies its context's KV

@@ -10,22 +10,29 @@ from servicekit.server import ServiceHandle, start_service
 from specmesh.drafters.model import ModelDrafter, self_draft
 from specmesh.drafters.ngram import NgramStoreDrafter, PromptLookupDrafter
 from specmesh.proto.v1 import verify_pb2_grpc
-from target_service.options import FUSED_DRAFTERS, VerifyOptions
+from target_service.options import VerifyOptions, fused_drafter_names
 from target_service.servicer import VerifyServicer
 
 SERVICE_NAME = "specmesh.v1.VerifyService"
 
 
-def build_fused_drafter(options: VerifyOptions, target=None, target_folder: str | None = None):
-    """The drafter Step hosts; a model drafter is checked against `target` (an Engine) when given:
-    same kind (decoder-only / encoder-decoder) and vocabulary (IncompatibleDraftError otherwise)."""
-    if options.fused_drafter not in FUSED_DRAFTERS:
-        raise ValueError(f"unknown fused drafter {options.fused_drafter!r}; choose one of {FUSED_DRAFTERS}")
-    if options.fused_drafter == "ngram":
+def build_fused_drafters(options: VerifyOptions, target=None, target_folder: str | None = None) -> dict:
+    """The drafters Step and Run host, by name, in `fused_drafter`'s order (the first is the default)."""
+    return {name: build_fused_drafter(options, target, target_folder, name) for name in fused_drafter_names(options.fused_drafter)}
+
+
+def build_fused_drafter(options: VerifyOptions, target=None, target_folder: str | None = None, name: str | None = None):
+    """The hosted drafter `name` (default: the first of `fused_drafter`; None when that is ""); a model
+    drafter is checked against `target` (an Engine) when given: same kind (decoder-only /
+    encoder-decoder) and vocabulary (IncompatibleDraftError otherwise)."""
+    if name is None:
+        names = fused_drafter_names(options.fused_drafter)
+        name = names[0] if names else ""
+    if name == "ngram":
         return PromptLookupDrafter()
-    if options.fused_drafter == "ngram-store":
+    if name == "ngram-store":
         return NgramStoreDrafter()
-    if options.fused_drafter == "model":
+    if name == "model":
         from servicekit.model import resolve_folder
         from specmesh.models.engine import measure_step
         from specmesh.models.load import load_engine
@@ -61,10 +68,11 @@ async def create_server(options: VerifyOptions) -> tuple[ServiceHandle, int]:
     single_threaded_here()
     engine, folder = await engine_thread.run(load_service_engine, options)
     shared = await engine_thread.run(share_kv, options, engine, folder)
-    fused = await engine_thread.run(build_fused_drafter, options, engine, folder)
+    fused = await engine_thread.run(build_fused_drafters, options, engine, folder)
     servicer = VerifyServicer(options, engine, folder, metrics, fused, engine_thread, shared_kv=shared)
     servicer.sessions.start_reaper(options.reaper_interval_s)
     handle = await start_service(options, metrics, servicer, [(verify_pb2_grpc.add_VerifyServiceServicer_to_server, SERVICE_NAME)],
                                  on_stop=[servicer.shutdown])
-    servicer.time_step_when_lent(engine)
+    drafter_engines = [d.engine for d in fused.values() if getattr(d, "engine", None) is not None]
+    servicer.time_step_when_lent(engine, *drafter_engines)  # a model drafter's step priced on lent threads too
     return handle, handle.port

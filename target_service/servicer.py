@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from servicekit.auth import current_principal
 from servicekit.convert import (
@@ -58,8 +58,9 @@ SOLO_ROUNDS = 16  # rounds a lone stream (Generate, target-only Run) runs per en
 
 
 class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
-    def __init__(self, options: VerifyOptions, engine, model_folder: str, metrics: ServiceMetrics, fused_drafter=None,
-                 engine_thread: EngineThread | None = None, shared_kv: SharedCache | None = None):
+    def __init__(self, options: VerifyOptions, engine, model_folder: str, metrics: ServiceMetrics,
+                 fused_drafters: dict[str, Any] | None = None, engine_thread: EngineThread | None = None,
+                 shared_kv: SharedCache | None = None):
         super().__init__("verify", options.session_ttl_s, metrics, options, engine_thread)
         self.options = options
         self.engine = engine
@@ -67,7 +68,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.verifier = TargetVerifier(engine)
         metrics.watch_kv(engine.kv_usage)
         metrics.watch_engine(lambda: engine.stats)
-        self.fused_drafter = fused_drafter
+        self.fused_drafters = dict(fused_drafters or {})  # hosted for Step / Run, by name; the first is the default
         self.shared_kv = shared_kv  # the KV in shared memory (server.share_kv), and where it lies (answers name it)
         self.kv_region = kv_region_pb(shared_kv.region) if shared_kv is not None else None
         self._generating = 0  # Generate streams in progress: callers of the batcher without a session id
@@ -89,7 +90,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         """Engine thread: free the target KV and the fused drafter's state."""
         self.verifier.close(session.target)
         if session.fused is not None:
-            self.fused_drafter.close(session.fused.state)
+            session.fused.drafter.close(session.fused.state)
 
     async def stop_batchers(self) -> None:
         await self.batcher.close()
@@ -105,9 +106,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         """A session whose rounds count from `num_prompt_tokens`; its first token is already emitted."""
         state = SpeculationState(target.params, num_prompt_tokens=num_prompt_tokens, max_context=self.engine.max_context,
                                  eos_token_ids=self.engine.eos_token_ids, seed=seed)
-        if self.fused_drafter is not None:  # fused rounds: what drafting costs here
-            state.prior_costs(getattr(self.fused_drafter, "ms_per_token", None), self.engine.stats.step_ms,
-                              0.0 if self._fused_shares_kv else None, forward_cost=self.verifier.forward_cost())
+        if self.fused_drafters:  # fused rounds: what drafting costs here (the default drafter's; a Step naming
+            self._price_fused(state, next(iter(self.fused_drafters.values())))  # another prices it at its first round)
         state.start(target.pending_token_id)
         return VerifySession(target, state, seed, encoder_input_ids=list(encoder_input_ids), principal=current_principal())
 
@@ -128,20 +128,33 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         input (same engine and sequences; the shared verifier runs the session's rounds)."""
         return TargetVerifier(self.engine.bind(encoder_input_ids)) if encoder_input_ids else self.verifier
 
-    @property
-    def _fused_shares_kv(self) -> bool:
-        """The fused drafter is a self-draft that takes the context's KV from this target (`self_draft`)."""
-        return getattr(self.fused_drafter, "kv_source", None) is self.engine
+    def _shares_kv(self, drafter) -> bool:
+        """`drafter` is a self-draft that takes the context's KV from this target (`self_draft`)."""
+        return getattr(drafter, "kv_source", None) is self.engine
 
-    def _open_fused(self, prompt: list[int], encoder_input_ids: list[int], target_seq_id: int):
-        """Engine thread: the fused drafter's state for a session (a model drafter on an encoder-decoder
+    def _price_fused(self, state: SpeculationState, drafter) -> None:
+        """The k policy's prior for rounds drafted by the hosted `drafter`."""
+        state.prior_costs(getattr(drafter, "ms_per_token", None), self.engine.stats.step_ms,
+                          0.0 if self._shares_kv(drafter) else None, forward_cost=self.verifier.forward_cost())
+
+    def _fused_drafter(self, name: str):
+        """The hosted drafter `name` ("" = the default); Unimplemented when none is hosted, ValueError for another name."""
+        if not self.fused_drafters:
+            raise Unimplemented("this Verify service hosts no fused drafter (--fused-drafter)")
+        if not name:
+            return next(iter(self.fused_drafters.values()))
+        if name not in self.fused_drafters:
+            raise ValueError(f"fused_drafter {name!r} is not hosted here (hosted: {', '.join(self.fused_drafters)})")
+        return self.fused_drafters[name]
+
+    def _open_fused(self, drafter, prompt: list[int], encoder_input_ids: list[int], target_seq_id: int):
+        """Engine thread: `drafter`'s state for a session (a model drafter on an encoder-decoder
         model opens it through a view bound to the encoder input; n-gram drafters ignore the input); a
         self-draft's is tied to the session's target sequence, whose KV it takes (drafters/model.py)."""
-        drafter = self.fused_drafter
         if encoder_input_ids and isinstance(drafter, ModelDrafter) and is_encoder_decoder(drafter.engine):
             return ModelDrafter(bind_encoder_input(drafter.engine, encoder_input_ids)).open(prompt)
         state = drafter.open(prompt)
-        if self._fused_shares_kv:
+        if self._shares_kv(drafter):
             drafter.share_kv(state, target_seq_id)
         return state
 
@@ -342,13 +355,13 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     @rpc_method
     async def Step(self, request: verify_pb2.StepRequest, context) -> verify_pb2.StepResponse:
         """One round of the session's speculation state with the hosted drafter."""
-        self._check_fused_k(request.num_draft_tokens)
+        self._check_fused(request.fused_drafter, request.num_draft_tokens)
         async with self.session_call(request.session_id) as session:
             replay = session.rounds.replay(request)
             if replay is not None:
                 return replay
             self._check_open(session)
-            response = await self._fused_round(request.session_id, session, request.num_draft_tokens)
+            response = await self._fused_round(request.session_id, session, request.num_draft_tokens, request.fused_drafter)
             session.rounds.remember(request, response)
         return response
 
@@ -356,9 +369,9 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     async def Run(self, request: verify_pb2.RunRequest, context):
         """The session's rounds, stepped here one after the other and streamed (the proto says how)."""
         if request.draft:
-            self._check_fused_k(request.num_draft_tokens)
-        elif request.num_draft_tokens:
-            raise ValueError("num_draft_tokens needs draft (target-only rounds draft nothing)")
+            self._check_fused(request.fused_drafter, request.num_draft_tokens)
+        elif request.num_draft_tokens or request.fused_drafter:
+            raise ValueError("num_draft_tokens and fused_drafter need draft (target-only rounds draft nothing)")
         check_stream_interval(request.stream_interval_ms)
         async with self.session_call(request.session_id) as session:
             if request.HasField("round_index") and request.round_index != session.rounds.rounds_done:
@@ -395,7 +408,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                         continue
                     done += 1
                     if request.draft:
-                        step = await self._fused_round(request.session_id, session, request.num_draft_tokens)
+                        step = await self._fused_round(request.session_id, session, request.num_draft_tokens,
+                                                       request.fused_drafter)
                         response = verify_pb2.RunResponse(result=step.result, num_draft_tokens=step.num_draft_tokens,
                                                           draft_ms=step.draft_ms)
                     else:
@@ -432,18 +446,26 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.verifier.fit_round_costs = not borrowing  # the fit prices client rounds, which run on `own` alone
         return own + self.options.borrow_threads if borrowing else own
 
-    def _check_fused_k(self, k: int) -> None:
-        if self.fused_drafter is None:
-            raise Unimplemented("this Verify service hosts no fused drafter (--fused-drafter)")
+    def _check_fused(self, name: str, k: int) -> None:
+        self._fused_drafter(name)
         if k > self.options.max_draft_tokens:
             raise ValueError(f"{k} draft tokens exceed this service's limit of {self.options.max_draft_tokens}")
 
-    async def _fused_round(self, session_id: str, session: VerifySession, requested_k: int) -> verify_pb2.StepResponse:
-        """Draft with the hosted drafter (k: `requested_k`, or the session's policy when 0), then verify."""
+    async def _fused_round(self, session_id: str, session: VerifySession, requested_k: int,
+                           name: str = "") -> verify_pb2.StepResponse:
+        """Draft with the hosted drafter `name` ("": the default; a session keeps the one it began with;
+        k: `requested_k`, or the session's policy when 0), then verify."""
+        drafter = self._fused_drafter(name)
         if session.fused is None:
             prompt = session.target.token_ids[: session.round.num_prompt_tokens]
-            state = await self.engine_thread.run(self._open_fused, prompt, session.encoder_input_ids, session.target.seq_id)
-            session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), self.fused_drafter.device)[0])
+            state = await self.engine_thread.run(self._open_fused, drafter, prompt, session.encoder_input_ids,
+                                                 session.target.seq_id)
+            session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), drafter.device)[0],
+                                       name or next(iter(self.fused_drafters)), drafter)
+            if drafter is not next(iter(self.fused_drafters.values())):  # priced as the default at open
+                self._price_fused(session.round, drafter)
+        elif drafter is not session.fused.drafter:
+            raise FailedPrecondition(f"this session drafts with fused drafter {session.fused.name!r}, not {name!r}")
         k = session.round.next_k(requested_k or None)
         self.check_kv_quota(1 + k)  # before the drafter's state moves
         start = time.perf_counter()
@@ -452,11 +474,11 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         step = session.round.draft_step(k, fixed_k=bool(requested_k))
         if step.asks:
             propose_args = (session.fused.state, step.new_tokens, k, session.target.params, session.fused.generator)
-            if getattr(self.fused_drafter, "uses_engine", True):
-                drafted = await self.engine_thread.run(self.fused_drafter.propose, *propose_args)
+            if getattr(drafter, "uses_engine", True):
+                drafted = await self.engine_thread.run(drafter.propose, *propose_args)
             else:  # an n-gram lookup takes microseconds: a hop to the engine thread and back costs more
-                drafted = self.fused_drafter.propose(*propose_args)
-            proposal = step.take(drafted, getattr(self.fused_drafter, "ms_per_token", None))  # its figure after these forwards
+                drafted = drafter.propose(*propose_args)
+            proposal = step.take(drafted, getattr(drafter, "ms_per_token", None))  # its figure after these forwards
         draft_ms = (time.perf_counter() - start) * 1e3
         prepared = self._prepare(session, proposal, deterministic=True)  # q travels with the proposal when sampled
         result = await self._apply(session_id, session, *prepared, draft_ms=draft_ms)
@@ -643,7 +665,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     async def GetInfo(self, request, context) -> verify_pb2.VerifyGetInfoResponse:
         return verify_pb2.VerifyGetInfoResponse(
             model=model_info_pb(self.options.model, self.model_folder, self.engine),
-            fused_drafter=self.options.fused_drafter if self.fused_drafter is not None else "",
+            fused_drafter=",".join(self.fused_drafters),
             max_batch_tokens=self.options.max_batch_tokens,
             kv=kv_usage_pb(self.engine.kv_usage()),
             max_draft_tokens=self.options.max_draft_tokens,

@@ -18,6 +18,8 @@ class FusedDraft:
 
     state: Any  # the fused drafter's session state
     generator: torch.Generator  # seeded with draft_seed(seed)
+    name: str = ""  # which hosted drafter (a `fused_drafter` name): the session keeps it
+    drafter: Any = None  # that drafter
 
 
 @dataclass

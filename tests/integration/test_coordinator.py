@@ -68,10 +68,12 @@ async def _collect(address: str, request) -> tuple[list[int], coordinator_pb2.Ge
 class Cluster:
     """Verify replicas, a Draft service and a Coordinator over them, started in the test's loop thread."""
 
-    def __init__(self, target: str, num_verify: int = 1, device: str = "cpu", **coordinator_options):
+    def __init__(self, target: str, num_verify: int = 1, device: str = "cpu", fused_drafter: str = "ngram",
+                 **coordinator_options):
         self.services = BackgroundServices()
         common = dict(model=target, dtype="float64", port=0, device=device)
-        self.verify = [self.services.start(create_verify(VerifyOptions(**common, batch_window_ms=5.0, max_kv_tokens=16384)))
+        self.verify = [self.services.start(create_verify(VerifyOptions(**common, batch_window_ms=5.0, max_kv_tokens=16384,
+                                                                       fused_drafter=fused_drafter)))
                        for _ in range(num_verify)]
         self.draft = self.services.start(create_draft(DraftOptions(model=target, dtype="float64", port=0, device=device)))
         links = dict(model=target, port=0, health_interval_s=0.2, draft_addresses=f"127.0.0.1:{self.draft.port}",
@@ -82,9 +84,13 @@ class Cluster:
         here = {"ngram_placement": "coordinator", **coordinator_options}
         self.ngram_here = self.services.start(create_coordinator(CoordinatorOptions(**links, **here)))
         self.ngram_here_address = f"127.0.0.1:{self.ngram_here.port}"
+        # and one that places model drafts on the Verify service, where it hosts a model drafter (model_placement)
+        self.model_on_verify = self.services.start(create_coordinator(CoordinatorOptions(
+            **links, **{"model_placement": "verify", **coordinator_options})))
+        self.addresses = {"coordinator": self.ngram_here_address, "model-verify": f"127.0.0.1:{self.model_on_verify.port}"}
 
     def address_for(self, placement: str) -> str:
-        return self.ngram_here_address if placement == "coordinator" else self.address
+        return self.addresses.get(placement, self.address)
 
     def stop(self, handle) -> None:
         self.services.stop(handle)
@@ -98,7 +104,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(target):
-    with Cluster(target) as c:
+    with Cluster(target, fused_drafter="ngram,model") as c:  # the Verify service hosts both: a request picks
         yield c
 
 
@@ -113,7 +119,11 @@ def _run(coro):
     ("speculative", "ngram", 3, "verify", "ngram@verify", "fused_run"),
     ("speculative", "ngram", 3, "coordinator", "ngram", "client_rounds_plain_runs"),
     ("speculative", "ngram", 0, "coordinator", "ngram", "client_rounds_plain_runs"),
-    ("fused", "", 3, "verify", "fused", "fused_run"), ("autoregressive", "", 0, "verify", "", "server_run")])
+    ("fused", "", 3, "verify", "fused", "fused_run"), ("autoregressive", "", 0, "verify", "", "server_run"),
+    # model drafts placed on the Verify service (model_placement: verify): its hosted self-draft steps the rounds
+    ("speculative", "service", 4, "model-verify", "model@verify", "fused_run"),
+    ("speculative", "service", 0, "model-verify", "model@verify", "fused_run"),
+    ("speculative", "ngram", 3, "model-verify", "ngram@verify", "fused_run")])
 def test_greedy_through_the_coordinator_equals_target_only(cluster, target, tokenizer, mode, drafter, k, placement,
                                                            drafted_by, plan):
     tokens, last = _run(_collect(cluster.address_for(placement), _request(PROMPT, mode, drafter, k)))
@@ -126,6 +136,38 @@ def test_greedy_through_the_coordinator_equals_target_only(cluster, target, toke
     # the request plainly in one Run: which one depends on this machine's timings; the tokens are the same)
     assert last.stats.drafter == drafted_by
     assert last.stats.plan == plan  # the plan chosen (specmesh.decoding.plan), named in the final stats
+
+
+def test_a_verify_service_hosting_two_drafters_drafts_with_the_one_named(cluster, tokenizer):
+    """GetInfo lists both hosted drafters; a Step names one (a session keeps it: another name is
+    FAILED_PRECONDITION); a name not hosted is INVALID_ARGUMENT."""
+    from specmesh.proto.v1 import verify_pb2, verify_pb2_grpc
+
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    greedy = common_pb2.SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=16)
+
+    async def main():
+        async with channel(f"127.0.0.1:{cluster.verify[0].port}") as ch:
+            stub = verify_pb2_grpc.VerifyServiceStub(ch)
+            hosted = (await stub.GetInfo(verify_pb2.VerifyGetInfoRequest(), timeout=TIMEOUT_S)).fused_drafter
+            opened = await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=prompt, sampling=greedy),
+                                            timeout=TIMEOUT_S)
+            step = await stub.Step(verify_pb2.StepRequest(session_id=opened.session_id, num_draft_tokens=3,
+                                                          fused_drafter="model"), timeout=TIMEOUT_S)
+            codes = []
+            for name, session_id in (("ngram", opened.session_id), ("bogus", opened.session_id)):
+                try:
+                    await stub.Step(verify_pb2.StepRequest(session_id=session_id, num_draft_tokens=3, fused_drafter=name),
+                                    timeout=TIMEOUT_S)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+            await stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened.session_id), timeout=TIMEOUT_S)
+            return hosted, step, codes
+
+    hosted, step, codes = _run(main())
+    assert hosted == "ngram,model"
+    assert step.num_draft_tokens == 3  # a model drafter always drafts k (an n-gram lookup may find nothing)
+    assert codes == [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

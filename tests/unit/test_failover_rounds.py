@@ -25,7 +25,7 @@ class DyingRemote:
         self.rounds_before_death = rounds_before_death
         self.asked: list[int] = []  # max_rounds of every run call
 
-    async def run(self, session_id, *, draft, k, max_rounds, deadline_s):
+    async def run(self, session_id, *, draft, k, max_rounds, deadline_s, fused_drafter=""):
         if max_rounds < 0:
             raise ValueError(f"Value out of range: {max_rounds}")  # what the protobuf field says
         self.asked.append(max_rounds)

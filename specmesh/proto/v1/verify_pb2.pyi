@@ -370,21 +370,25 @@ class StepRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     ROUND_INDEX_FIELD_NUMBER: _builtins.int
+    FUSED_DRAFTER_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_draft_tokens: _builtins.int
     """k for this step; 0 = let the service adapt k"""
     round_index: _builtins.int
     """as in VerifyRequest: makes a resent Step safe"""
+    fused_drafter: _builtins.str
+    """which hosted drafter drafts (a name GetInfo lists); "" = the first."""
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         num_draft_tokens: _builtins.int = ...,
         round_index: _builtins.int | None = ...,
+        fused_drafter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "round_index", b"round_index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "num_draft_tokens", b"num_draft_tokens", "round_index", b"round_index", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "fused_drafter", b"fused_drafter", "num_draft_tokens", b"num_draft_tokens", "round_index", b"round_index", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__round_index: _TypeAlias = _typing.Literal["round_index"]  # noqa: Y015
     _WhichOneofArgType__round_index: _TypeAlias = _typing.Literal["_round_index", b"_round_index"]  # noqa: Y015
@@ -402,6 +406,7 @@ class RunRequest(_message.Message):
     ROUND_INDEX_FIELD_NUMBER: _builtins.int
     MAX_ROUNDS_FIELD_NUMBER: _builtins.int
     STREAM_INTERVAL_MS_FIELD_NUMBER: _builtins.int
+    FUSED_DRAFTER_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     draft: _builtins.bool
     """draft with the hosted drafter (fused); false: target-only rounds"""
@@ -417,6 +422,8 @@ class RunRequest(_message.Message):
     long, and goes out with the rounds made beside it (RunResponse.later_rounds). Each message
     costs both ends CPU that a host whose cores run the model's threads takes from its forwards.
     """
+    fused_drafter: _builtins.str
+    """with draft: which hosted drafter, as in StepRequest"""
     def __init__(
         self,
         *,
@@ -426,10 +433,11 @@ class RunRequest(_message.Message):
         round_index: _builtins.int | None = ...,
         max_rounds: _builtins.int = ...,
         stream_interval_ms: _builtins.int = ...,
+        fused_drafter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "round_index", b"round_index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "draft", b"draft", "max_rounds", b"max_rounds", "num_draft_tokens", b"num_draft_tokens", "round_index", b"round_index", "session_id", b"session_id", "stream_interval_ms", b"stream_interval_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_round_index", b"_round_index", "draft", b"draft", "fused_drafter", b"fused_drafter", "max_rounds", b"max_rounds", "num_draft_tokens", b"num_draft_tokens", "round_index", b"round_index", "session_id", b"session_id", "stream_interval_ms", b"stream_interval_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__round_index: _TypeAlias = _typing.Literal["round_index"]  # noqa: Y015
     _WhichOneofArgType__round_index: _TypeAlias = _typing.Literal["_round_index", b"_round_index"]  # noqa: Y015
@@ -744,9 +752,11 @@ class VerifyGetInfoResponse(_message.Message):
     DECODER_PROMPT_IDS_FIELD_NUMBER: _builtins.int
     PROCESS_FIELD_NUMBER: _builtins.int
     fused_drafter: _builtins.str
-    """drafter hosted for Step, "" if none"""
+    """drafters hosted for Step and Run, comma-separated (the first is the"""
     max_batch_tokens: _builtins.int
-    """the batcher's token budget per forward"""
+    """default), e.g. "ngram,model"; "" if none
+    the batcher's token budget per forward
+    """
     max_draft_tokens: _builtins.int
     """the largest k a Verify may carry"""
     max_fork_children: _builtins.int
