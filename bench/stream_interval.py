@@ -4,8 +4,9 @@
 
 The cluster is `configs/local.yaml` as shipped (Draft, Verify and Coordinator processes; the demo's
 placement), in-process is `LocalGenerator("default", drafter="bf16")` in this process, as `make demo`
-runs both. Lines: the demo's chat prompt (the Draft service's bf16 self-draft in the cluster, the bf16
-self-draft in-process) and its passage (n-gram drafts; on the Verify service in the cluster); with
+runs both. Lines: the demo's chat prompt (the bf16 self-draft: in the cluster the one the Verify service
+hosts, `model_placement: verify`; before 2026-11-29 the Draft service's) and its passage (n-gram drafts; on
+the Verify service in the cluster); with
 --target-only the same prompts with no drafting on either side (the cluster's autoregressive mode). Each
 round times every line once in-process and once through the Coordinator per interval
 (GenerateRequest.stream_interval_ms, which the Coordinator also asks of the Verify service's Run), in

@@ -117,6 +117,32 @@ def wait_replicas_healthy(address: str, deadline_s: float, process: subprocess.P
             time.sleep(0.1)
 
 
+SETTLE_WAIT_S = 30.0  # longest start() waits for the model services to time their steps again (ProcessInfo.settling)
+
+
+def wait_settled(kind: str, address: str, deadline_s: float, tls_cert: str = "") -> bool:
+    """Poll a model service's GetInfo until its process no longer says `settling` (its steps timed again
+    after start, in the gaps between requests: a request that came meanwhile would share the cores
+    with that timing, and be priced by figures from the load). True once settled; False when the
+    deadline passed first, or GetInfo failed (credentials this launcher lacks; the cluster serves either way)."""
+    from specmesh.proto.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc, verify_pb2, verify_pb2_grpc
+
+    stubs = {"draft": (draft_pb2_grpc.DraftServiceStub, draft_pb2.DraftGetInfoRequest),
+             "verify": (verify_pb2_grpc.VerifyServiceStub, verify_pb2.VerifyGetInfoRequest),
+             "stage": (stage_pb2_grpc.StageServiceStub, stage_pb2.StageGetInfoRequest)}
+    stub_type, request = stubs[kind]
+    with open_channel(address, tls_ca=tls_cert, aio=False) as channel:
+        stub = stub_type(channel)
+        while time.monotonic() < deadline_s:
+            try:
+                if not stub.GetInfo(request(), timeout=2.0).process.settling:
+                    return True
+            except grpc.RpcError:  # it serves (start() saw it): the call needs what this launcher lacks
+                return False
+            time.sleep(0.2)
+    return False
+
+
 class Cluster:
     """Each service a subprocess (`python -m <module> --flag value ...`), logs in `log_dir`."""
 
@@ -205,9 +231,10 @@ class Cluster:
         """No process runs and none will be restarted: nothing is left to serve."""
         return not self._due_s and all(p.poll() is not None for p in self.processes.values())
 
-    def start(self, timeout_s: float = 600.0) -> Cluster:
+    def start(self, timeout_s: float = 600.0, settle: bool = True) -> Cluster:
         """Start every process at once (a coordinator waits for its Verify replicas itself), wait until
-        each is SERVING and each coordinator sees all its replicas healthy."""
+        each is SERVING and each coordinator sees all its replicas healthy; with `settle`, also until
+        the model services have timed their steps again (`wait_settled`, at most SETTLE_WAIT_S)."""
         deadline_s = time.monotonic() + timeout_s
         try:
             # ports picked here, all at once so no two are the same, and printed and passed on
@@ -235,6 +262,11 @@ class Cluster:
             for spec in self.specs:
                 if spec.kind == "coordinator":
                     wait_replicas_healthy(spec.address, deadline_s, self.processes[spec.name], spec.options.get("tls_cert", ""))
+            if settle:
+                settle_deadline_s = min(deadline_s, time.monotonic() + SETTLE_WAIT_S)
+                for spec in self.specs:
+                    if spec.kind in MODEL_KINDS:
+                        wait_settled(spec.kind, spec.address, settle_deadline_s, spec.options.get("tls_cert", ""))
         except BaseException:
             self.stop()
             raise

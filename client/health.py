@@ -63,6 +63,8 @@ def _process_details(process) -> dict[str, object]:
     details: dict[str, object] = {"up": f"{process.uptime_s:.0f}s"}
     if process.num_restarts:
         details["restarts"] = f"{process.num_restarts} (last exit: {process.last_exit or 'unknown'})"
+    if process.settling:
+        details["settling"] = "timing its step again after start"
     return details
 
 

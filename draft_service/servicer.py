@@ -400,7 +400,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
     async def GetInfo(self, request, context) -> draft_pb2.DraftGetInfoResponse:
         if self.engine is None:
             info = common_pb2.ModelInfo(model=self.options.model, vocab_size=self.vocab_size, max_context_tokens=self.max_context)
-            return draft_pb2.DraftGetInfoResponse(model=info, drafter=self.options.drafter, process=process_info_pb())
+            return draft_pb2.DraftGetInfoResponse(model=info, drafter=self.options.drafter, process=process_info_pb(self.settling))
         return draft_pb2.DraftGetInfoResponse(model=model_info_pb(self.options.model, self.model_folder, self.engine),
                                               drafter=self.options.drafter, kv=kv_usage_pb(self.engine.kv_usage()),
-                                              is_encoder_decoder=is_encoder_decoder(self.engine), process=process_info_pb())
+                                              is_encoder_decoder=is_encoder_decoder(self.engine), process=process_info_pb(self.settling))

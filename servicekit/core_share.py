@@ -124,6 +124,10 @@ class CoreShare:
         if not self._in_job:
             self.board.set(self.slot, held, 0)
 
+    def lender_busy(self) -> bool:
+        """Whether a process this one borrows from has begun a job (it waits for the borrowed job to end)."""
+        return any(map(self.board.busy, self.lenders))
+
     def _borrowed_from(self) -> bool:
         """Whether another process runs on this one's cores now."""
         bit = 1 << self.slot
@@ -146,15 +150,18 @@ LENT_TIMINGS = 3
 LENT_TIMING_SPACING_S = 2.0
 
 
-async def measure_when_lent(engine_thread, engine, tries: int = 40, interval_s: float = 0.25) -> bool:
+async def measure_when_lent(engine_thread, engine, is_idle: Callable[[], bool] = lambda: True, tries: int = 40,
+                            interval_s: float = 0.25) -> bool:
     """Time the engine's step (`measure_step`, the callers' k policy prior) again in jobs that get the
-    threads the board lends: at load the other processes were loading too, so it was timed on this
-    process's own threads, where a lone session's rounds run on the lent ones as well. The first such
-    job sets the figure; LENT_TIMINGS - 1 more, LENT_TIMING_SPACING_S apart, keep the fastest. True
-    once timed; False without a board, or when nothing was lent in `tries` attempts."""
+    threads the board lends while `is_idle()` (no session open: the timing's ~0.2 s of forwards would
+    otherwise run between a request's rounds): at load the other processes were loading too, so it was
+    timed on this process's own threads, where a lone session's rounds run on the lent ones as well. The
+    first such job sets the figure; LENT_TIMINGS - 1 more, LENT_TIMING_SPACING_S apart, keep the fastest.
+    True once timed; False without a board, or when nothing was lent in `tries` attempts."""
     if engine_thread.core_share is None or not engine_thread.core_share.borrow_threads:
         return False
-    return await _retime_step(engine_thread, engine, lambda: engine_thread.threads_now > engine_thread.num_threads,
+    return await _retime_step(engine_thread, engine,
+                              lambda: is_idle() and engine_thread.threads_now > engine_thread.num_threads,
                               tries, interval_s, keep_load_timing=False)
 
 
@@ -172,8 +179,13 @@ async def _retime_step(engine_thread, engine, may_time: Callable[[], bool], trie
                        keep_load_timing: bool) -> bool:
     """Time the step in jobs where `may_time()` (asked on the engine thread), LENT_TIMINGS of them, the
     fastest kept (with the figure already there when `keep_load_timing`)."""
-    from specmesh.models.engine import measure_step
+    from specmesh.models.engine import TimingStopped, measure_step
 
+    share = engine_thread.core_share
+    lenders_busy = share.lender_busy if share is not None and share.lenders else (lambda: False)
+
+    def stop() -> bool:  # a timing gives way as soon as a job of this process queues behind it, or the owner
+        return engine_thread.jobs_waiting or lenders_busy()  # of borrowed cores begins one (it waits for this job)
     timings: list[tuple[float, float | None, tuple[tuple[int, float], ...] | None]] = []
     if keep_load_timing and engine.stats.step_ms is not None:
         timings.append((engine.stats.step_ms, engine.stats.prefill_ms_per_token, engine.stats.round_timings))
@@ -182,8 +194,13 @@ async def _retime_step(engine_thread, engine, may_time: Callable[[], bool], trie
     def timed_if_allowed() -> bool:
         if not may_time():
             return False
+        step_ms, prefill_ms = engine.stats.step_ms, engine.stats.prefill_ms_per_token
         engine.stats.step_ms = engine.stats.prefill_ms_per_token = None  # timed afresh, not averaged in
-        measure_step(engine)
+        try:
+            measure_step(engine, stop=stop)
+        except TimingStopped:  # tried again later (a try used up)
+            engine.stats.step_ms, engine.stats.prefill_ms_per_token = step_ms, prefill_ms
+            return False
         if engine.stats.step_ms is not None:
             timings.append((engine.stats.step_ms, engine.stats.prefill_ms_per_token, engine.stats.round_timings))
             engine.stats.step_ms, engine.stats.prefill_ms_per_token, engine.stats.round_timings = min(timings, key=lambda t: t[0])

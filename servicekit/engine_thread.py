@@ -88,16 +88,24 @@ class EngineThread:
         self.threads_now = self.num_threads  # the engine thread's count (set by its initializer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                             initializer=threads_here, initargs=(self.num_threads,))
+        self._submitted = self._started = 0  # jobs handed to the thread / begun there (each counted by one thread)
+
+    @property
+    def jobs_waiting(self) -> bool:
+        """Jobs are queued behind the one running now (a long job may give way: `measure_step`'s `stop`)."""
+        return self._submitted - self._started > 0
 
     async def run(self, fn, *args, **kwargs):
         """Run fn(*args, **kwargs) on the engine thread. If the caller is cancelled the call still
         completes on the thread (engine state stays consistent); its result is dropped."""
         loop = asyncio.get_running_loop()
+        self._submitted += 1
         return await loop.run_in_executor(self._executor, functools.partial(self._job, fn, args, kwargs, True))
 
     async def run_unlent(self, fn, *args, **kwargs):
         """`run`, borrowing no cores for this job (work another process's next call should not wait for)."""
         loop = asyncio.get_running_loop()
+        self._submitted += 1
         return await loop.run_in_executor(self._executor, functools.partial(self._job, fn, args, kwargs, False))
 
     def time_apart(self, stats: EngineStats) -> None:
@@ -122,6 +130,7 @@ class EngineThread:
         return own_step if step is None else step, own_prefill if prefill is None else prefill
 
     def _job(self, fn, args, kwargs, may_borrow: bool):
+        self._started += 1
         share = self.core_share
         lent = share.begin(may_borrow) if share is not None else None
         stats = self._apart if self.kept_apart else None

@@ -24,6 +24,6 @@ def num_restarts() -> int:
         return 0
 
 
-def process_info_pb() -> common_pb2.ProcessInfo:
+def process_info_pb(settling: bool = False) -> common_pb2.ProcessInfo:
     return common_pb2.ProcessInfo(pid=os.getpid(), num_restarts=num_restarts(), uptime_s=time.monotonic() - _STARTED_S,
-                                  last_exit=os.environ.get(LAST_EXIT_ENV, ""))
+                                  last_exit=os.environ.get(LAST_EXIT_ENV, ""), settling=settling)

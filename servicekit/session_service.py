@@ -161,12 +161,18 @@ class SessionService:
     async def stop_batchers(self) -> None:
         """Servicers with batchers close them here, before the sessions go."""
 
+    @property
+    def settling(self) -> bool:
+        """A step is still to be timed again after start (`time_step_when_lent`, `time_step_when_settled`)."""
+        return any(not task.done() for task in self.remeasure)
+
     def time_step_when_lent(self, *engines) -> None:
-        """With a core board, time each engine's step again once its lenders are idle
-        (`servicekit.core_share.measure_when_lent`); cancelled at shutdown if still waiting."""
+        """With a core board, time each engine's step again once its lenders are idle and no session is
+        open here (`servicekit.core_share.measure_when_lent`); cancelled at shutdown if still waiting."""
         if self.engine_thread.core_share is not None:
             loop = asyncio.get_running_loop()
-            self.remeasure += [loop.create_task(measure_when_lent(self.engine_thread, engine)) for engine in engines]
+            self.remeasure += [loop.create_task(measure_when_lent(self.engine_thread, engine, lambda: len(self.sessions) == 0))
+                               for engine in engines]
 
     def time_step_when_settled(self, engine) -> None:
         """Time `engine`'s step again a moment after start while no session is open

@@ -85,4 +85,4 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
     @rpc_method
     async def GetInfo(self, request, context) -> stage_pb2.StageGetInfoResponse:
         return stage_pb2.StageGetInfoResponse(model=model_info_pb(self.options.model, self.model_folder, self.engine),
-                                              kv=kv_usage_pb(self.engine.kv_usage()), process=process_info_pb())
+                                              kv=kv_usage_pb(self.engine.kv_usage()), process=process_info_pb(self.settling))

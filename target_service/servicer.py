@@ -672,7 +672,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             max_fork_children=self.options.max_fork_children,
             is_encoder_decoder=is_encoder_decoder(self.engine),
             decoder_prompt_ids=list(getattr(self.engine, "decoder_prompt_ids", ())),
-            process=process_info_pb(),
+            process=process_info_pb(self.settling),
         )
 
 

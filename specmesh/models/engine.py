@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -159,7 +159,11 @@ class Engine(Protocol):
         ...
 
 
-def measure_step(engine: Engine, num_steps: int = 3) -> float | None:
+class TimingStopped(Exception):
+    """`measure_step`'s `stop` said to give the cores back: the timing is abandoned, the stats as they were."""
+
+
+def measure_step(engine: Engine, num_steps: int = 3, stop: Callable[[], bool] | None = None) -> float | None:
     """Time `num_steps` one-token forwards of a scratch sequence (freed after; the first, which may
     pay one-off set-up, is not timed) so `engine.stats.step_ms`, the fastest of them, is known before the
     first generation: the prior that lets a k policy skip a drafter that cannot pay here from its first
@@ -168,33 +172,48 @@ def measure_step(engine: Engine, num_steps: int = 3) -> float | None:
     2 * PREFILL_STAT_TOKENS tokens for `prefill_ms_per_token` (what a drafter's catch-up costs per token).
     The fastest, not an average: a shared machine's noise only adds, and one slow step priced a bf16
     self-draft at 13.1 ms where its steps take 10.8-11.3, which decided that it could never pay. The
-    scratch forwards are not counted in the other stats. None for a backend that does not time its steps."""
+    scratch forwards are not counted in the other stats. None for a backend that does not time its steps.
+    `stop`, asked before each forward: True abandons the timing (TimingStopped), the stats left as they were
+    (a service timing on borrowed cores gives them back as soon as their owner wants them)."""
     if engine.backend != "native":
         return None
     kept = dataclasses.replace(engine.stats)
-    seq_id = engine.new_sequence()
+    stop = stop or (lambda: False)
     try:
-        steps: list[float] = []
-        for i in range(num_steps + 1):
-            engine.stats.step_ms = None
-            engine.forward([SeqInput(seq_id, [0], logits_at=[0])])
-            if i > 0 and engine.stats.step_ms is not None:
-                steps.append(engine.stats.step_ms)
-        engine.stats.step_ms = min(steps, default=kept.step_ms)
-        engine.stats.round_timings = _time_rounds(engine, seq_id)
-    finally:
-        engine.free(seq_id)
-    seq_id = engine.new_sequence()
-    try:
-        engine.forward([SeqInput(seq_id, [0] * (2 * PREFILL_STAT_TOKENS), logits_at=[2 * PREFILL_STAT_TOKENS - 1])])
-    finally:
-        engine.free(seq_id)
+        seq_id = engine.new_sequence()
+        try:
+            steps: list[float] = []
+            for i in range(num_steps + 1):
+                _check(stop)
+                engine.stats.step_ms = None
+                engine.forward([SeqInput(seq_id, [0], logits_at=[0])])
+                if i > 0 and engine.stats.step_ms is not None:
+                    steps.append(engine.stats.step_ms)
+            engine.stats.step_ms = min(steps, default=kept.step_ms)
+            engine.stats.round_timings = _time_rounds(engine, seq_id, stop)
+        finally:
+            engine.free(seq_id)
+        _check(stop)
+        seq_id = engine.new_sequence()
+        try:
+            engine.forward([SeqInput(seq_id, [0] * (2 * PREFILL_STAT_TOKENS), logits_at=[2 * PREFILL_STAT_TOKENS - 1])])
+        finally:
+            engine.free(seq_id)
+    except TimingStopped:
+        for field in dataclasses.fields(kept):
+            setattr(engine.stats, field.name, getattr(kept, field.name))
+        raise
     for name in (f.name for f in dataclasses.fields(kept) if f.name not in ("step_ms", "prefill_ms_per_token", "round_timings")):
         setattr(engine.stats, name, getattr(kept, name))
     return engine.stats.step_ms
 
 
-def _time_rounds(engine: Engine, seq_id: int) -> tuple[tuple[int, float], ...]:
+def _check(stop: Callable[[], bool]) -> None:
+    if stop():
+        raise TimingStopped
+
+
+def _time_rounds(engine: Engine, seq_id: int, stop: Callable[[], bool] = lambda: False) -> tuple[tuple[int, float], ...]:
     """((tokens, ms), ...) of forwards of 1 and ROUND_STAT_TOKENS tokens fed to `seq_id` (each the fastest of two,
     rolled back after; every row's logits asked for, as a verify forward asks), timed around `forward` as
     `TargetVerifier` times its rounds. The engine's own per-token times stay as they were."""
@@ -204,6 +223,7 @@ def _time_rounds(engine: Engine, seq_id: int) -> tuple[tuple[int, float], ...]:
     for tokens in (1, *ROUND_STAT_TOKENS):
         best = float("inf")
         for _ in range(2):
+            _check(stop)
             start = time.perf_counter()
             engine.forward([SeqInput(seq_id, [0] * tokens, logits_at=list(range(tokens)))])
             best = min(best, (time.perf_counter() - start) * 1e3)

@@ -114,3 +114,27 @@ def test_verify_chains_keep_the_step_current_where_no_one_token_forward_runs(tin
         verifier.verify(session, DraftProposal(token_ids=[5, 6, 7, 8]))
     assert engine.stats.step_ms > 2 * stale
     verifier.close(session)
+
+
+def test_a_stopped_timing_gives_way_and_leaves_the_stats_and_the_pool_as_they_were(tiny_model_dir):
+    """`stop` is asked before each forward: the timing a service runs on borrowed cores ends when their
+    owner (or a job queued behind it) wants them, with nothing half-measured left behind."""
+    import pytest
+
+    from specmesh.models.engine import TimingStopped
+
+    engine = load_engine(tiny_model_dir("llama"), dtype="float64")
+    measure_step(engine)
+    before, free = dataclasses.replace(engine.stats), engine.kv_usage().free_blocks
+    for allowed in (0, 2, 6):  # stopped before the first forward, among the steps, among the round timings
+        asked: list[int] = []
+
+        def stop(asked=asked, allowed=allowed) -> bool:
+            asked.append(1)
+            return len(asked) > allowed
+
+        with pytest.raises(TimingStopped):
+            measure_step(engine, stop=stop)
+        assert len(asked) == allowed + 1
+        assert engine.stats == before and engine.kv_usage().free_blocks == free
+    assert measure_step(engine, stop=lambda: False) is not None  # never told to stop: timed as before

@@ -139,3 +139,38 @@ def test_with_a_core_board_forwards_borrow_while_the_lender_runs_nothing(tiny_mo
         assert servicer.engine_thread.core_share.num_borrowed_jobs >= 1
     assert threads == {"lender idle": [own + 1], "lender busy": [own]}
     assert fitted == [own + 1]  # the round on lent threads; not the one on its own
+
+
+def test_the_lent_step_timings_run_between_requests_and_getinfo_says_until_they_are_done(tiny_model_dir, tmp_path):
+    """With a core board the service times its target's and its hosted model drafter's steps again on the
+    lent threads, never while a session is open (the timing's forwards would run between its rounds), and
+    says `settling` in GetInfo until both are timed (the launcher waits for that before it calls a cluster
+    ready)."""
+    board = str(tmp_path / "cores.board")
+    CoreBoard.create(board)
+    options = VerifyOptions(model=str(tiny_model_dir("llama")), dtype="float32", port=0, fused_drafter="ngram,model",
+                            borrow_threads=1, core_board=board, core_slot=1, lender_slots="0")
+    with BackgroundServices() as background:
+        handle = background.start(create_verify(options))
+        servicer, address = handle.servicer, f"127.0.0.1:{handle.port}"
+        engines = [servicer.engine, servicer.fused_drafters["model"].engine]
+
+        async def main():
+            async with channel(address) as ch:
+                stub = verify_pb2_grpc.VerifyServiceStub(ch)
+                settling_at_start = (await stub.GetInfo(verify_pb2.VerifyGetInfoRequest(), timeout=TIMEOUT_S)).process.settling
+                a = await _open(stub)
+                while_open = [e.stats.round_timings for e in engines]
+                await asyncio.sleep(1.0)
+                unchanged = all(e.stats.round_timings is kept for e, kept in zip(engines, while_open))
+                await stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=a.session_id), timeout=TIMEOUT_S)
+                for _ in range(150):
+                    if not (await stub.GetInfo(verify_pb2.VerifyGetInfoRequest(), timeout=TIMEOUT_S)).process.settling:
+                        break
+                    await asyncio.sleep(0.2)
+                settled = not (await stub.GetInfo(verify_pb2.VerifyGetInfoRequest(), timeout=TIMEOUT_S)).process.settling
+            return settling_at_start, unchanged, settled, while_open
+
+        settling_at_start, unchanged, settled, while_open = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+    assert settling_at_start and unchanged and settled
+    assert all(e.stats.round_timings is not kept for e, kept in zip(engines, while_open))  # both timed again after the close

@@ -508,6 +508,7 @@ class ProcessInfo(_message.Message):
     NUM_RESTARTS_FIELD_NUMBER: _builtins.int
     UPTIME_S_FIELD_NUMBER: _builtins.int
     LAST_EXIT_FIELD_NUMBER: _builtins.int
+    SETTLING_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     num_restarts: _builtins.int
     """times the launcher restarted this service (0: the first start)"""
@@ -515,6 +516,8 @@ class ProcessInfo(_message.Message):
     """since this process started"""
     last_exit: _builtins.str
     """how the previous process ended, e.g. "killed by SIGKILL"; "" on the first start"""
+    settling: _builtins.bool
+    """still timing its steps again after start (the k policy's priors), in gaps"""
     def __init__(
         self,
         *,
@@ -522,10 +525,11 @@ class ProcessInfo(_message.Message):
         num_restarts: _builtins.int = ...,
         uptime_s: _builtins.float = ...,
         last_exit: _builtins.str = ...,
+        settling: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_exit", b"last_exit", "num_restarts", b"num_restarts", "pid", b"pid", "uptime_s", b"uptime_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_exit", b"last_exit", "num_restarts", b"num_restarts", "pid", b"pid", "settling", b"settling", "uptime_s", b"uptime_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
