@@ -57,6 +57,11 @@ RUN_AHEAD_ROUNDS = 4  # rounds a Run stream may finish before the caller reads t
 SOLO_ROUNDS = 16  # rounds a lone stream (Generate, target-only Run) runs per engine-thread job
 
 
+def _drafts_forward(drafter) -> bool:
+    """The hosted drafter runs model forwards on the engine thread (an n-gram lookup does not)."""
+    return bool(getattr(drafter, "uses_engine", True))
+
+
 class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
     def __init__(self, options: VerifyOptions, engine, model_folder: str, metrics: ServiceMetrics,
                  fused_drafters: dict[str, Any] | None = None, engine_thread: EngineThread | None = None,
@@ -69,6 +74,9 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         metrics.watch_kv(engine.kv_usage)
         metrics.watch_engine(lambda: engine.stats)
         self.fused_drafters = dict(fused_drafters or {})  # hosted for Step / Run, by name; the first is the default
+        # sessions whose fused drafts run forwards on the engine thread: opened (event loop) and freed (engine
+        # thread), each counted by one thread; their drafts are not batched across sessions (_fused_ms_per_token)
+        self._forward_drafts_opened = self._forward_drafts_freed = 0
         self.shared_kv = shared_kv  # the KV in shared memory (server.share_kv), and where it lies (answers name it)
         self.kv_region = kv_region_pb(shared_kv.region) if shared_kv is not None else None
         self._generating = 0  # Generate streams in progress: callers of the batcher without a session id
@@ -91,6 +99,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.verifier.close(session.target)
         if session.fused is not None:
             session.fused.drafter.close(session.fused.state)
+            self._forward_drafts_freed += _drafts_forward(session.fused.drafter)
 
     async def stop_batchers(self) -> None:
         await self.batcher.close()
@@ -134,8 +143,19 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
 
     def _price_fused(self, state: SpeculationState, drafter) -> None:
         """The k policy's prior for rounds drafted by the hosted `drafter`."""
-        state.prior_costs(getattr(drafter, "ms_per_token", None), self.engine.stats.step_ms,
+        state.prior_costs(self._fused_ms_per_token(drafter), self.engine.stats.step_ms,
                           0.0 if self._shares_kv(drafter) else None, forward_cost=self.verifier.forward_cost())
+
+    def _fused_ms_per_token(self, drafter) -> float | None:
+        """What a draft token of the hosted `drafter` costs a session's rounds: its forward's time, times the
+        sessions drafting with forwards here. Verify forwards are batched across sessions, these are not: the
+        engine thread runs each session's in turn, so a round waits for the others' drafts as well (measured,
+        16 clients priced at one session's figure: 0.88-0.98x autoregressive, where the same self-draft on the
+        Draft service, priced at its load, drafted nothing and kept 0.97-1.04x)."""
+        ms = getattr(drafter, "ms_per_token", None)
+        if ms is None or not _drafts_forward(drafter):
+            return ms
+        return ms * max(1, self._forward_drafts_opened - self._forward_drafts_freed)
 
     def _fused_drafter(self, name: str):
         """The hosted drafter `name` ("" = the default); Unimplemented when none is hosted, ValueError for another name."""
@@ -462,6 +482,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                                                  session.target.seq_id)
             session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), drafter.device)[0],
                                        name or next(iter(self.fused_drafters)), drafter)
+            self._forward_drafts_opened += _drafts_forward(drafter)
             if drafter is not next(iter(self.fused_drafters.values())):  # priced as the default at open
                 self._price_fused(session.round, drafter)
         elif drafter is not session.fused.drafter:
@@ -474,11 +495,11 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         step = session.round.draft_step(k, fixed_k=bool(requested_k))
         if step.asks:
             propose_args = (session.fused.state, step.new_tokens, k, session.target.params, session.fused.generator)
-            if getattr(drafter, "uses_engine", True):
+            if _drafts_forward(drafter):
                 drafted = await self.engine_thread.run(drafter.propose, *propose_args)
             else:  # an n-gram lookup takes microseconds: a hop to the engine thread and back costs more
                 drafted = drafter.propose(*propose_args)
-            proposal = step.take(drafted, getattr(drafter, "ms_per_token", None))  # its figure after these forwards
+            proposal = step.take(drafted, self._fused_ms_per_token(drafter))  # its figure after these forwards
         draft_ms = (time.perf_counter() - start) * 1e3
         prepared = self._prepare(session, proposal, deterministic=True)  # q travels with the proposal when sampled
         result = await self._apply(session_id, session, *prepared, draft_ms=draft_ms)

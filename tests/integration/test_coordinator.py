@@ -170,6 +170,37 @@ def test_a_verify_service_hosting_two_drafters_drafts_with_the_one_named(cluster
     assert codes == [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT]
 
 
+def test_a_hosted_model_draft_is_priced_by_the_sessions_drafting_with_forwards(cluster, tokenizer):
+    """Fused model drafts are not batched across sessions (the engine thread runs each session's in turn),
+    so a draft token costs a session's rounds its forward's time times the sessions drafting so; n-gram
+    drafts cost nothing there and count for nothing."""
+    from specmesh.proto.v1 import verify_pb2, verify_pb2_grpc
+
+    servicer = cluster.verify[0].servicer
+    model, ngram = servicer.fused_drafters["model"], servicer.fused_drafters["ngram"]
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    greedy = common_pb2.SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=16)
+
+    async def main():
+        async with channel(f"127.0.0.1:{cluster.verify[0].port}") as ch:
+            stub = verify_pb2_grpc.VerifyServiceStub(ch)
+            opened = [await stub.OpenSession(verify_pb2.VerifyOpenSessionRequest(prompt_token_ids=prompt, sampling=greedy),
+                                             timeout=TIMEOUT_S) for _ in range(3)]
+            priced = []
+            for session, name in zip(opened, ("model", "model", "ngram")):
+                await stub.Step(verify_pb2.StepRequest(session_id=session.session_id, num_draft_tokens=2, fused_drafter=name),
+                                timeout=TIMEOUT_S)
+                priced.append(servicer._fused_ms_per_token(model) / model.ms_per_token)
+            await stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=opened[0].session_id), timeout=TIMEOUT_S)
+            priced.append(servicer._fused_ms_per_token(model) / model.ms_per_token)
+            for session in opened[1:]:
+                await stub.CloseSession(verify_pb2.VerifyCloseSessionRequest(session_id=session.session_id), timeout=TIMEOUT_S)
+            return priced
+
+    assert _run(main()) == pytest.approx([1.0, 2.0, 2.0, 1.0])
+    assert servicer._fused_ms_per_token(ngram) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_services_on_a_cuda_device_give_the_cpu_tokens(target, tokenizer):
     """Draft and Verify services on CUDA (every mode, 8 streams at once, batched): the CPU engine's
