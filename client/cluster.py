@@ -231,10 +231,10 @@ class Cluster:
         """No process runs and none will be restarted: nothing is left to serve."""
         return not self._due_s and all(p.poll() is not None for p in self.processes.values())
 
-    def start(self, timeout_s: float = 600.0, settle: bool = True) -> Cluster:
+    def start(self, timeout_s: float = 600.0) -> Cluster:
         """Start every process at once (a coordinator waits for its Verify replicas itself), wait until
-        each is SERVING and each coordinator sees all its replicas healthy; with `settle`, also until
-        the model services have timed their steps again (`wait_settled`, at most SETTLE_WAIT_S)."""
+        each is SERVING and each coordinator sees all its replicas healthy, then until the model services
+        have timed their steps again (`wait_settled`, at most SETTLE_WAIT_S)."""
         deadline_s = time.monotonic() + timeout_s
         try:
             # ports picked here, all at once so no two are the same, and printed and passed on
@@ -262,11 +262,10 @@ class Cluster:
             for spec in self.specs:
                 if spec.kind == "coordinator":
                     wait_replicas_healthy(spec.address, deadline_s, self.processes[spec.name], spec.options.get("tls_cert", ""))
-            if settle:
-                settle_deadline_s = min(deadline_s, time.monotonic() + SETTLE_WAIT_S)
-                for spec in self.specs:
-                    if spec.kind in MODEL_KINDS:
-                        wait_settled(spec.kind, spec.address, settle_deadline_s, spec.options.get("tls_cert", ""))
+            settle_deadline_s = min(deadline_s, time.monotonic() + SETTLE_WAIT_S)
+            for spec in self.specs:
+                if spec.kind in MODEL_KINDS:
+                    wait_settled(spec.kind, spec.address, settle_deadline_s, spec.options.get("tls_cert", ""))
         except BaseException:
             self.stop()
             raise

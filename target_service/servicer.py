@@ -73,7 +73,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.verifier = TargetVerifier(engine)
         metrics.watch_kv(engine.kv_usage)
         metrics.watch_engine(lambda: engine.stats)
-        self.fused_drafters = dict(fused_drafters or {})  # hosted for Step / Run, by name; the first is the default
+        self.fused_drafters = dict(fused_drafters or {})  # hosted for Step / Run, by name
+        self.default_fused = next(iter(self.fused_drafters), "")  # the first: what a Step naming none drafts with
         # sessions whose fused drafts run forwards on the engine thread: opened (event loop) and freed (engine
         # thread), each counted by one thread; their drafts are not batched across sessions (_fused_ms_per_token)
         self._forward_drafts_opened = self._forward_drafts_freed = 0
@@ -116,7 +117,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         state = SpeculationState(target.params, num_prompt_tokens=num_prompt_tokens, max_context=self.engine.max_context,
                                  eos_token_ids=self.engine.eos_token_ids, seed=seed)
         if self.fused_drafters:  # fused rounds: what drafting costs here (the default drafter's; a Step naming
-            self._price_fused(state, next(iter(self.fused_drafters.values())))  # another prices it at its first round)
+            self._price_fused(state, self.fused_drafters[self.default_fused])  # another prices it at its first round)
         state.start(target.pending_token_id)
         return VerifySession(target, state, seed, encoder_input_ids=list(encoder_input_ids), principal=current_principal())
 
@@ -157,15 +158,14 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             return ms
         return ms * max(1, self._forward_drafts_opened - self._forward_drafts_freed)
 
-    def _fused_drafter(self, name: str):
-        """The hosted drafter `name` ("" = the default); Unimplemented when none is hosted, ValueError for another name."""
+    def _fused_drafter(self, name: str) -> str:
+        """The hosted drafter's name `name` stands for ("" = the default); Unimplemented when none is
+        hosted, ValueError for a name not hosted."""
         if not self.fused_drafters:
             raise Unimplemented("this Verify service hosts no fused drafter (--fused-drafter)")
-        if not name:
-            return next(iter(self.fused_drafters.values()))
-        if name not in self.fused_drafters:
+        if name and name not in self.fused_drafters:
             raise ValueError(f"fused_drafter {name!r} is not hosted here (hosted: {', '.join(self.fused_drafters)})")
-        return self.fused_drafters[name]
+        return name or self.default_fused
 
     def _open_fused(self, drafter, prompt: list[int], encoder_input_ids: list[int], target_seq_id: int):
         """Engine thread: `drafter`'s state for a session (a model drafter on an encoder-decoder
@@ -475,17 +475,17 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
                            name: str = "") -> verify_pb2.StepResponse:
         """Draft with the hosted drafter `name` ("": the default; a session keeps the one it began with;
         k: `requested_k`, or the session's policy when 0), then verify."""
-        drafter = self._fused_drafter(name)
+        name = self._fused_drafter(name)
+        drafter = self.fused_drafters[name]
         if session.fused is None:
             prompt = session.target.token_ids[: session.round.num_prompt_tokens]
             state = await self.engine_thread.run(self._open_fused, drafter, prompt, session.encoder_input_ids,
                                                  session.target.seq_id)
-            session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), drafter.device)[0],
-                                       name or next(iter(self.fused_drafters)), drafter)
+            session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), drafter.device)[0], name, drafter)
             self._forward_drafts_opened += _drafts_forward(drafter)
-            if drafter is not next(iter(self.fused_drafters.values())):  # priced as the default at open
+            if name != self.default_fused:  # priced as the default at open
                 self._price_fused(session.round, drafter)
-        elif drafter is not session.fused.drafter:
+        elif name != session.fused.name:
             raise FailedPrecondition(f"this session drafts with fused drafter {session.fused.name!r}, not {name!r}")
         k = session.round.next_k(requested_k or None)
         self.check_kv_quota(1 + k)  # before the drafter's state moves
