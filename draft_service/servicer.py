@@ -56,7 +56,7 @@ from servicekit.process import process_info_pb
 from servicekit.rounds import RoundLog
 from servicekit.session_service import SessionService
 from servicekit.tasks import cancel_and_wait
-from specmesh.decoding.ahead import forward_pays, moving_average
+from specmesh.decoding.ahead import AheadClock, moving_average
 from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import draft_seed
@@ -87,9 +87,7 @@ class DraftSession:
     ahead_q_dtype: torch.dtype = torch.float32  # the last Propose's q dtype (its drafter drafts ahead)
     draft_ahead: bool = True  # False: an encoder-decoder session (drafted on a bound view of the engine)
     closed: bool = False  # set on the engine thread when its state is freed
-    answered_at: float = 0.0  # perf_counter when its last Propose was answered
-    gap_ms: float | None = None  # time from an answer to the next Propose (moving average)
-    hit_rate: float | None = None  # how often the verdict was the guess drafted ahead from (moving average)
+    clock: AheadClock = field(default_factory=AheadClock)  # its Propose calls' timing and guesses (forward_pays)
     drafted: bool = False  # a Propose asked it for draft tokens
 
 
@@ -232,8 +230,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         """Whether one more forward ahead would still run when the session's next Propose is expected."""
         guessed = getattr(session.state, "ahead", None) is not None  # else the next forward is the guess: on its own it
         # saves nothing (a Propose that finds no draft ahead feeds the last draft again), so only if it ends in time
-        return not forward_pays((now - session.answered_at) * 1e3, self._ahead_forward_ms, session.gap_ms,
-                                session.hit_rate if guessed else None)
+        return session.clock.due(now, self._ahead_forward_ms, guessed)
 
     # engine-thread work
     def _run_batch(self, calls: Sequence[ProposeCall]) -> list:
@@ -365,17 +362,14 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             replay = session.rounds.replay(request)
             if replay is not None:
                 return replay
-            if session.answered_at:
-                session.gap_ms = moving_average(session.gap_ms, (time.perf_counter() - session.answered_at) * 1e3)
+            session.clock.called(time.perf_counter())
             self.drafter.check_call(session.state, accepted, k)  # a bad call fails alone, before the batch
             session.drafted = session.drafted or k > 0
             self.check_kv_quota(len(accepted) + k)
             target_kv = self._target_kv(session, request.target_kv) if request.HasField("target_kv") else None
             result: ProposeResult = await self.batcher.submit(ProposeCall(session, accepted, k, q_dtype, target_kv))
             session.num_tokens += len(accepted)
-            held = getattr(session.state, "guess_held", None)
-            if held is not None:
-                session.hit_rate = moving_average(session.hit_rate, float(held))
+            session.clock.judged(getattr(session.state, "guess_held", None))
             response = propose_response(result.proposal, request, self.vocab_size, result.draft_ms)
             # the engine's one-token forwards (recent average, those ahead included)
             ms_per_token = self._ms_per_token()
@@ -387,7 +381,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
                 if forward_ms is not None:
                     response.ahead_forward_ms = forward_ms
             session.rounds.remember(request, response)
-            session.answered_at = time.perf_counter()
+            session.clock.answered(time.perf_counter())
             self._want_ahead(session, result.proposal.num_tokens, q_dtype)
         self.metrics.draft_tokens.inc(result.proposal.num_tokens)
         return response

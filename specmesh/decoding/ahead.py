@@ -29,6 +29,8 @@ guess forward itself saves nothing unless a draft ahead follows it, so it is onl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 AVERAGE_WEIGHT = 0.3  # the weight of the newest sample in the moving averages
 
 
@@ -47,3 +49,38 @@ def forward_pays(elapsed_ms: float, forward_ms: float | None, gap_ms: float | No
 
 def moving_average(old: float | None, new: float, weight: float = AVERAGE_WEIGHT) -> float:
     return new if old is None else old + weight * (new - old)
+
+
+@dataclass
+class AheadClock:
+    """One session's measures for `forward_pays`, as a service sees its calls: when it answered last, the
+    time from an answer to the next call and how often the verdict was the guess (moving averages).
+
+    >>> clock = AheadClock()
+    >>> clock.called(1.0); clock.answered(1.0); clock.called(1.05)   # a call 50 ms after the answer
+    >>> round(clock.gap_ms, 3), clock.due(now=1.04, forward_ms=30.0, guessed=False)   # 10 ms done of 30: late
+    (50.0, True)
+    >>> clock.answered(2.0); clock.due(now=2.01, forward_ms=30.0, guessed=False)
+    False
+    """
+
+    answered_at: float = 0.0  # perf_counter when its last call was answered (0: never)
+    gap_ms: float | None = None
+    hit_rate: float | None = None
+
+    def called(self, now: float) -> None:
+        if self.answered_at:
+            self.gap_ms = moving_average(self.gap_ms, (now - self.answered_at) * 1e3)
+
+    def judged(self, hit: bool | None) -> None:
+        """The call's verdict was the guess ahead (None: nothing was guessed)."""
+        if hit is not None:
+            self.hit_rate = moving_average(self.hit_rate, float(hit))
+
+    def answered(self, now: float) -> None:
+        self.answered_at = now
+
+    def due(self, now: float, forward_ms: float | None, guessed: bool) -> bool:
+        """Whether one more forward ahead, `forward_ms` long, would not pay (module docstring); `guessed`: the
+        session has a guess drafted ahead (else the forward makes it: started only if it ends in time)."""
+        return not forward_pays((now - self.answered_at) * 1e3, forward_ms, self.gap_ms, self.hit_rate if guessed else None)

@@ -55,7 +55,7 @@ from typing import Any
 import simpy
 
 from specmesh.decoding.adaptive import FixedK
-from specmesh.decoding.ahead import forward_pays, moving_average
+from specmesh.decoding.ahead import AheadClock
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.state import SpeculationState
 from specmesh.routing.registry import make_router
@@ -126,9 +126,7 @@ class AheadRun:
 
     def __init__(self, batcher: AheadBatcher):
         self.batcher = batcher
-        self.answered_s = 0.0
-        self.gap_ms: float | None = None  # answer -> next Propose (moving average), as the service measures it
-        self.hit_rate: float | None = None  # whether the verdict was the guess (moving average), as the service measures it
+        self.clock = AheadClock()  # answer -> next Propose, and whether the verdict was the guess, as the service measures them
         self.k = 0
         self.context = 0  # the context if every draft is accepted and the guess holds
         self.forwards = 0  # forwards ahead since the last answer: the guess, then one per draft
@@ -137,7 +135,8 @@ class AheadRun:
         self.generation = 0
 
     def start(self, env: simpy.Environment, k: int, context: int) -> None:
-        self.answered_s, self.k, self.context, self.forwards, self.stopped = env.now, k, context, 0, False
+        self.k, self.context, self.forwards, self.stopped = k, context, 0, False
+        self.clock.answered(env.now)
         self.generation += 1
         self.batcher.add(self)
 
@@ -152,19 +151,17 @@ class AheadRun:
 
     def wants(self, now_s: float) -> bool:
         return (not self.stopped and self.forwards < self.k + 1
-                and forward_pays((now_s - self.answered_s) * 1e3, self.forward_ms(), self.gap_ms,
-                                 self.hit_rate if self.forwards else None))  # the guess forward: only what ends in time
+                and not self.clock.due(now_s, self.forward_ms(), guessed=self.forwards > 0))  # the guess forward: only what ends in time
 
     def on_propose(self, env: simpy.Environment, k: int, hit: bool):
         """At the next Propose: how many of its k drafts were drafted ahead (0 unless the guess held)."""
         if self.stopped:
             return 0
-        self.gap_ms = moving_average(self.gap_ms, (env.now - self.answered_s) * 1e3)
+        self.clock.called(env.now)
         self.stopped = True
         if self.in_flight is not None:  # the forward under way ends first (the engine runs one job at a time)
             yield self.in_flight
-        if self.forwards >= 1:  # a guess was made: judged now
-            self.hit_rate = moving_average(self.hit_rate, float(hit))
+        self.clock.judged(hit if self.forwards >= 1 else None)  # a guess was made: judged now
         return min(k, self.forwards - 1) if hit and self.forwards > 1 else 0
 
 

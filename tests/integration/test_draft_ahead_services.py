@@ -98,23 +98,24 @@ def test_a_forward_ahead_that_would_delay_the_next_call_starts_only_where_guesse
     would not, only where the session's measured hit rate says the part done before the call (saved on
     a hit) outweighs the rest (lost on a miss)."""
     from draft_service.servicer import DraftSession
+    from specmesh.decoding.ahead import AheadClock
 
     _, servicer, _ = services[True]
-    session = DraftSession(state=None, params=None, generator=None, seed=0, num_tokens=0, answered_at=100.0)
+    session = DraftSession(state=None, params=None, generator=None, seed=0, num_tokens=0, clock=AheadClock(answered_at=100.0))
     saved = servicer._ahead_forward_ms
     try:
         servicer._ahead_forward_ms = 30.0
         assert not servicer._due(session, 100.010)  # nothing measured of this session yet: draft ahead
-        session.gap_ms = 50.0
+        session.clock.gap_ms = 50.0
         assert not servicer._due(session, 100.010)  # 10 ms in, a 30 ms forward ends before the call at 50 ms
         assert servicer._due(session, 100.025)  # 25 ms in it would not
-        session.hit_rate = 0.9
+        session.clock.hit_rate = 0.9
         assert servicer._due(session, 100.025)  # the guess forward (no guess yet): only if it ends in time
         session.state = SimpleNamespace(ahead=object())  # a guess made: the next forward drafts ahead
         assert not servicer._due(session, 100.025)  # 25 ms saved 9 times in 10, 5 ms lost once
-        session.hit_rate = 0.8
+        session.clock.hit_rate = 0.8
         assert servicer._due(session, 100.045)  # 5 ms saved 8 times in 10, 25 lost twice
-        session.hit_rate = None
+        session.clock.hit_rate = None
         servicer._ahead_forward_ms = 80.0
         assert servicer._due(session, 100.0)  # a forward longer than the target's round: not before a guess held
     finally:
