@@ -16,6 +16,11 @@ highest prompt beside it). Rows, all through the one Coordinator:
 The lossless rows must give autoregressive's tokens; the adaptive row reports its agreement with them.
 Goal (issue 29): the shipped cascade <= 0.90x autoregressive time per token on chat prompts, exact.
 Writes bench/results/cascade_cluster.{json,md} (`--out` another stem; `--config` another cluster file).
+
+`--ahead`: a second Stage service beside the first, the same but extending ahead (`draft_ahead: true`,
+`stage_service/servicer.py`), configured as the Coordinator's second stage; the cascade rows name their
+stage per request, a row "speculative, cascade, the Stage extending ahead" is added, and the adaptive row
+is left out (its predictor was trained for one stage). Only one of the two Stage services works at a time.
 """
 
 from __future__ import annotations
@@ -55,6 +60,29 @@ ROWS = {  # name: (mode, cascade, cascade_lambda or None)
     f"speculative, adaptive cascade, lambda {LAMBDA:g} (lossy)": (SPEC, "", LAMBDA),
 }
 REFERENCE = "autoregressive"
+SHIPPED, AHEAD = "speculative, shipped cascade (n-gram -> bf16 fill -> fp32)", "speculative, cascade, the Stage extending ahead"
+
+
+def with_ahead_stage(config: str) -> tuple[str, dict]:
+    """`config` with a Stage service `stage_ahead` beside its `stage` (the same, extending ahead), both
+    configured on the Coordinator (no predictor), written to a temporary file; and the rows naming each."""
+    import tempfile
+
+    import yaml
+
+    data = yaml.safe_load(Path(config).read_text())
+    services = data["services"]
+    ahead = {**services["stage"], "draft_ahead": True, "port": services["stage"]["port"] + 10}
+    ahead.pop("metrics_port", None)
+    services["stage_ahead"] = ahead
+    services["coordinator"]["cascade_stages"] = "stage extend=fill, stage_ahead extend=fill"
+    services["coordinator"].pop("cascade_predictor", None)
+    path = Path(tempfile.mkdtemp()) / "cascade-ahead.yaml"
+    path.write_text(yaml.safe_dump(data))
+    rows = {name: ROWS[name] for name in ROWS if ROWS[name][2] is None}
+    rows[AHEAD] = (SPEC, "stage_ahead", None)  # the service's name: its address once the cluster runs
+    rows[SHIPPED] = (SPEC, "stage", None)
+    return str(path), rows
 
 
 async def one(address: str, prompt: str, mode: int, cascade: str, lam: float | None, max_new_tokens: int) -> dict:
@@ -73,28 +101,33 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="2 prompts, 1 repeat, 16 tokens (smoke run)")
     parser.add_argument("--config", default=str(CONFIG), help="another cluster file (default: the shipped cascade)")
     parser.add_argument("--out", default="cascade_cluster", help="results file stem under bench/results")
+    parser.add_argument("--ahead", action="store_true", help="add a Stage service extending ahead, and its row")
     args = parser.parse_args()
     prompts = CHAT_PROMPTS[:2] if args.quick else CHAT_PROMPTS
     repeats, max_new = (1, 16) if args.quick else (args.repeats, args.max_new_tokens)
-    specs = load_cluster_config(args.config)  # as that file places them on this host
+    config, rows_run = with_ahead_stage(args.config) if args.ahead else (args.config, ROWS)
+    specs = load_cluster_config(config)  # as that file places them on this host
     placement = {s.name: (list(s.cpus), s.torch_threads) for s in specs}
     for spec in specs:
         spec.options["port"] = 0  # free ports: never collides with a running cluster
         spec.options.pop("metrics_port", None)
-    runs: dict[str, list[dict]] = {name: [] for name in ROWS}
+    runs: dict[str, list[dict]] = {name: [] for name in rows_run}
     with Cluster(specs) as cluster:
         address = cluster.addresses_of("coordinator")[0]
-        for mode, cascade, lam in ROWS.values():  # warm-up: kernels, each service's first forward
+        if args.ahead:  # the rows name their stage by address
+            rows_run = {name: (mode, f"{cluster.addresses[cascade]} extend=fill" if cascade in ("stage", "stage_ahead")
+                               else cascade, lam) for name, (mode, cascade, lam) in rows_run.items()}
+        for mode, cascade, lam in rows_run.values():  # warm-up: kernels, each service's first forward
             asyncio.run(one(address, prompts[0], mode, cascade, lam, 8))
         for repeat in range(repeats):
             for index, prompt in enumerate(prompts):
-                order = list(ROWS) if (repeat + index) % 2 == 0 else list(ROWS)[::-1]
+                order = list(rows_run) if (repeat + index) % 2 == 0 else list(rows_run)[::-1]
                 for name in order:
-                    run = asyncio.run(one(address, prompt, *ROWS[name], max_new))
+                    run = asyncio.run(one(address, prompt, *rows_run[name], max_new))
                     run.update(prompt=index, repeat=repeat)
                     runs[name].append(run)
                 print(f"[repeat {repeat + 1}/{repeats}, prompt {index}] "
-                      + ", ".join(f"{n.split(',')[0] if n == REFERENCE else n}: {runs[n][-1]['wall_s']:.2f} s" for n in ROWS),
+                      + ", ".join(f"{n.split(',')[0] if n == REFERENCE else n}: {runs[n][-1]['wall_s']:.2f} s" for n in rows_run),
                       flush=True)
 
     def ms_per_token(run: dict) -> float:
@@ -102,7 +135,7 @@ def main() -> int:
 
     reference = {(r["prompt"], r["repeat"]): r for r in runs[REFERENCE]}
     rows = []
-    for name, (_mode, _cascade, lam) in ROWS.items():
+    for name, (_mode, _cascade, lam) in rows_run.items():
         mine = runs[name]
         ratios = [ms_per_token(r) / ms_per_token(reference[r["prompt"], r["repeat"]]) for r in mine]
         per_prompt = [statistics.median(x for x, r in zip(ratios, mine) if r["prompt"] == i) for i in range(len(prompts))]
@@ -118,7 +151,8 @@ def main() -> int:
     command = ".venv/bin/python bench/cascade_cluster.py" + (" --quick" if args.quick else "") + (
         f" --repeats {args.repeats}" if args.repeats != 3 and not args.quick else "") + (
         f" --max-new-tokens {args.max_new_tokens}" if args.max_new_tokens != 64 and not args.quick else "") + (
-        f" --config {args.config}" if args.config != str(CONFIG) else "") + (f" --out {args.out}" if args.out != "cascade_cluster" else "")
+        f" --config {args.config}" if args.config != str(CONFIG) else "") + (f" --out {args.out}" if args.out != "cascade_cluster" else "") + (
+        " --ahead" if args.ahead else "")
     out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
            "cores": os.cpu_count(), "placement": placement, "repeats": repeats, "max_new_tokens": max_new,
            "prompts": prompts, "rows": rows, "runs": runs}

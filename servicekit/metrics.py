@@ -49,7 +49,7 @@ class ServiceMetrics:
                 ("attention_rows", "attention rows summed over engine forwards (forks in one sequence share one)"))}
 
     def watch_ahead(self, served: Callable[[], int], dropped: Callable[[], int]) -> None:
-        """Report a Draft service's drafts ahead (tokens served from them, and thrown away) on every scrape."""
+        """Report a Draft service's drafts ahead, or a Stage service's tokens ahead (served from them, and thrown away), on every scrape."""
         p, labels = "specmesh_", dict(registry=self.registry)
         Gauge(p + "ahead_served_tokens", "tokens drafted ahead that became a proposal's", **labels).set_function(served)
         Gauge(p + "ahead_dropped_tokens", "tokens drafted ahead that the verdict made useless", **labels).set_function(dropped)

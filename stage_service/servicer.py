@@ -1,8 +1,20 @@
-"""StageService: delegates to `specmesh.cascade.stage_model.StageModel` on the engine thread."""
+"""StageService: delegates to `specmesh.cascade.stage_model.StageModel` on the engine thread.
+
+Extending ahead (`StageOptions.draft_ahead`, greedy sessions): after answering a VerifyAndExtend, the
+session is queued for `StageModel.extend_ahead`, one forward at a time on the engine thread (the queued
+sessions batched), only while no VerifyAndExtend runs or waits, until it is as many tokens past its
+answer as its next call can use. The rule of when a forward ahead pays is the Draft service's
+(`specmesh.decoding.ahead.forward_pays`): one that would still run when the session's next call is due
+starts only where the level above usually confirms the stage's guess. Answers are the same either way
+(`specmesh.cascade.stage_model`, "Extending ahead"); a call that finds its tokens ahead needs no forward.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import Sequence
 
 from servicekit.convert import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -18,12 +30,16 @@ from servicekit.errors import rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.process import process_info_pb
 from servicekit.session_service import SessionService
+from servicekit.tasks import cancel_and_wait
 from specmesh.cascade.stage_model import StageModel, StageSession
+from specmesh.decoding.ahead import AheadClock, moving_average
 from specmesh.decoding.sampling import make_generator
 from specmesh.decoding.verifier import validate_prompt
 from specmesh.proto.v1 import stage_pb2, stage_pb2_grpc
 from stage_service.convert import verify_and_extend_response
 from stage_service.options import StageOptions
+
+log = logging.getLogger(__name__)
 
 
 class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
@@ -35,8 +51,21 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
         self.model_folder = model_folder
         self.stage = StageModel(engine)
         metrics.watch_kv(engine.kv_usage)
+        # extending ahead (module docstring)
+        self._ahead: dict[int, tuple[StageSession, int]] = {}  # id -> (session, tokens past its answer to reach)
+        self._clocks: dict[int, AheadClock] = {}  # id -> its calls' timing and guesses
+        self._ahead_wakeup = asyncio.Event()
+        self._ahead_task: asyncio.Task | None = None
+        self._ahead_forward_ms: float | None = None  # a forward ahead (moving average)
+        self._calls_running = 0  # VerifyAndExtend calls on their way to the engine thread or on it
+        self._no_calls = asyncio.Event()
+        self._no_calls.set()
+        if options.draft_ahead:
+            metrics.watch_ahead(lambda: self.stage.ahead_served, lambda: self.stage.ahead_dropped)
 
     def free_session(self, session: StageSession) -> None:
+        self._ahead.pop(id(session), None)
+        self._clocks.pop(id(session), None)
         self.stage.close(session)
 
     def session_tokens(self, session: StageSession) -> int:
@@ -72,11 +101,63 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
             check_draft_has_q(len(draft), q is not None, request.deterministic_draft, session.sequence.params)
             self.check_kv_quota(len(accepted) + max(len(draft) + request.num_extend_tokens, request.fill_to_tokens))
             start = time.perf_counter()
-            out = await self.engine_thread.run(self.stage.verify_and_extend, session, accepted, draft, q,
-                                               request.num_extend_tokens, request.fill_to_tokens)
+            clock = self._clocks.setdefault(id(session), AheadClock())
+            clock.called(start)
+            self._calls_running += 1
+            self._no_calls.clear()
+            try:
+                out = await self.engine_thread.run(self.stage.verify_and_extend, session, accepted, draft, q,
+                                                   request.num_extend_tokens, request.fill_to_tokens)
+            finally:
+                self._calls_running -= 1
+                if not self._calls_running:
+                    self._no_calls.set()
+            clock.judged(session.guess_held)
+            clock.answered(time.perf_counter())
+            self._want_ahead(session, 1 + max(request.fill_to_tokens, len(draft) + request.num_extend_tokens))
         self.metrics.record_verification(len(draft), out.num_accepted)
         return verify_and_extend_response(out, request.return_distributions, vocab, (time.perf_counter() - start) * 1e3,
                                           self.engine.stats.step_ms)
+
+    # extending ahead (module docstring)
+    def _want_ahead(self, session: StageSession, depth: int) -> None:
+        if not (self.options.draft_ahead and self.stage.wants_ahead(session, depth)):
+            return
+        self._ahead[id(session)] = (session, depth)
+        if self._ahead_task is None:
+            self._ahead_task = asyncio.get_running_loop().create_task(self._ahead_loop())
+        self._ahead_wakeup.set()
+
+    async def _ahead_loop(self) -> None:
+        while True:
+            await self._ahead_wakeup.wait()
+            self._ahead_wakeup.clear()
+            while self._ahead:
+                await self._no_calls.wait()  # VerifyAndExtend calls first
+                try:
+                    await self.engine_thread.run_unlent(self._ahead_step, list(self._ahead.values()))
+                except Exception:  # noqa: BLE001 - extending ahead is an optimisation: stop it, serve on demand
+                    log.exception("extending ahead failed; the sessions queued for it run their calls on demand")
+                    self._ahead.clear()
+
+    def _ahead_step(self, queued: Sequence[tuple[StageSession, int]]) -> None:
+        """Engine thread: one forward for the queued sessions with a round ahead left that pays; the others
+        leave the queue (here, so a call that queues one again comes after)."""
+        live, now = [], time.perf_counter()
+        for session, depth in queued:
+            clock = self._clocks.get(id(session))
+            if (clock is None or not self.stage.wants_ahead(session, depth)
+                    or clock.due(now, self._ahead_forward_ms, guessed=bool(session.ahead_logits))):
+                self._ahead.pop(id(session), None)
+            else:
+                live.append(session)
+        if live:
+            self.stage.extend_ahead(live)
+            self._ahead_forward_ms = moving_average(self._ahead_forward_ms, (time.perf_counter() - now) * 1e3)
+
+    async def stop_batchers(self) -> None:
+        await cancel_and_wait(self._ahead_task)
+        self._ahead_task = None
 
     @rpc_method
     async def CloseSession(self, request, context) -> stage_pb2.StageCloseSessionResponse:

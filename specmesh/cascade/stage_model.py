@@ -17,13 +17,29 @@ the q the next stage verifies against. Per-token quality features come from the 
 Worked example (greedy, confirmed c0..c4, KV holds c0..c3):
     D = [a, b], m = 2:  forward [c4, a, b] -> argmax [a, x, y]: accept [a], final x
     plain round: forward [x] -> z; proposal = [a, x, z]; KV c0..c4 a x, z pending
+
+Extending ahead (`extend_ahead`, greedy sessions). While the level above verifies proposal P, the stage
+may go on as if it confirms all of P and then emits the stage's own next token g: plain rounds on the
+sequence (feed P's last token -> g, feed g -> y0, ...), their logits kept. The next call's confirmed
+tokens are then usually a prefix of that sequence (P, g); when they are, the stage's greedy continuation
+after them is known: D is accepted up to its first token that differs from it, the final token and the
+extension are its next tokens, and the call is answered from them without a forward when they reach far
+enough (`ahead_served`). Otherwise the sequence is rewound to the confirmed tokens, keeping the KV they
+share (`ahead_dropped`), and the call runs as without extending ahead. Each answered token is the argmax
+of this stage's logits at its position either way; on an engine whose steps equal its chains bit for
+bit (`NativeEngine.steps_equal_chains`) they are the same logits, elsewhere a near tie may break the
+other way, which changes a draft, never the target's output. Sampled sessions do not extend ahead: a
+verify round's draws from the generator differ from a plain round's.
+
+    greedy, proposal P = [a, x, z] answered (z pending); ahead: feed [z] -> g; feed [g] -> y0, y1
+    next call accepted [a, x, z, g], D = [y0, q], m = 1: accept y0, final y1, no forward
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,8 +59,11 @@ class TokenFeatures:
 
 @dataclass
 class StageSession:
-    sequence: TargetSession  # confirmed tokens + this stage's last proposal (its last token pending)
+    sequence: TargetSession  # confirmed tokens + this stage's last proposal (its last token pending), + rounds ahead
     confirmed: list[int]  # prompt + tokens the top stage confirmed
+    answered: int = 0  # the sequence's length when the last call was answered: rounds ahead start there
+    ahead_logits: list[torch.Tensor] = field(default_factory=list)  # [1, vocab] rows of the tokens ahead, in order
+    guess_held: bool | None = None  # at the last call: whether its confirmed tokens followed those ahead (None: none)
 
 
 @dataclass
@@ -61,6 +80,8 @@ class StageModel:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.verifier = TargetVerifier(engine)
+        self.ahead_served = 0  # tokens extended ahead that became a proposal's
+        self.ahead_dropped = 0  # tokens extended ahead that the verdict made useless
 
     @property
     def max_context(self) -> int:
@@ -97,18 +118,64 @@ class StageModel:
             raise ContextLengthError("the draft and extension do not fit in the context window")
         proposal = DraftProposal(token_ids=[int(t) for t in draft], q=q)
         proposal.validate(self.engine.vocab_size)
-        self.verifier.rewind(s.sequence, confirmed)
+        served = self._from_ahead(s, confirmed, proposal.token_ids, num_extend, fill_to)
         s.confirmed = confirmed
-        first = self.verifier.verify(s.sequence, proposal, keep_logits=True)
-        outcomes, tokens = [first], list(first.token_ids)
-        while len(outcomes) < num_extend or len(tokens) < fill_to:
-            outcomes.append(self.verifier.verify(s.sequence, DraftProposal(token_ids=[]), keep_logits=True))
-            tokens += outcomes[-1].token_ids
-        logits = torch.cat([_kept_logits(outcome) for outcome in outcomes])  # [len(tokens), vocab]
+        if served is not None:
+            num_accepted, tokens, logits = served
+        else:
+            first = self.verifier.verify(s.sequence, proposal, keep_logits=True)
+            outcomes, tokens = [first], list(first.token_ids)
+            while len(outcomes) < num_extend or len(tokens) < fill_to:
+                outcomes.append(self.verifier.verify(s.sequence, DraftProposal(token_ids=[]), keep_logits=True))
+                tokens += outcomes[-1].token_ids
+            num_accepted = first.num_accepted
+            logits = torch.cat([_kept_logits(outcome) for outcome in outcomes])  # [len(tokens), vocab]
+        s.answered = s.sequence.num_tokens
         p = processed_probs(logits, s.sequence.params)
         features = [self._features(row_logits, row_p, token, s.sequence.params)
                     for row_logits, row_p, token in zip(logits, p, tokens)]
-        return StageOutput(first.num_accepted, tokens, p, features)
+        return StageOutput(num_accepted, tokens, p, features)
+
+    # extending ahead (module docstring)
+    def wants_ahead(self, s: StageSession, depth: int) -> bool:
+        """Whether `extend_ahead` has a round to run for this session, `depth` tokens past the last answer."""
+        params = s.sequence.params
+        return (s.answered > 0 and params.is_greedy and s.sequence.constraint is None and len(s.ahead_logits) < depth
+                and s.sequence.num_tokens + 1 < self.engine.max_context)
+
+    def extend_ahead(self, sessions: Sequence[StageSession]) -> None:
+        """One plain round for each session (one forward for them all): its next own token, logits kept."""
+        if not sessions:
+            return
+        outcomes = self.verifier.verify_many([s.sequence for s in sessions], [DraftProposal(token_ids=[])] * len(sessions),
+                                             keep_logits=True)
+        for s, outcome in zip(sessions, outcomes):
+            s.ahead_logits.append(_kept_logits(outcome))
+
+    def _from_ahead(self, s: StageSession, confirmed: list[int], draft: list[int], num_extend: int,
+                    fill_to: int) -> tuple[int, list[int], torch.Tensor] | None:
+        """The call answered from the rounds ahead: (drafts accepted, proposal, its logits rows); None when they
+        do not reach (the sequence then rewound to `confirmed`, as a call without them starts)."""
+        ahead, s.ahead_logits = s.ahead_logits, []
+        known = s.sequence.token_ids
+        start = len(confirmed)
+        usable = bool(ahead) and s.answered < start <= len(known) and known[:start] == confirmed
+        s.guess_held = usable if ahead else None
+        if usable:
+            cont = known[start:]
+            accepted = 0
+            while accepted < min(len(draft), len(cont)) and draft[accepted] == cont[accepted]:
+                accepted += 1
+            wanted = max(accepted + max(num_extend, 1), fill_to)
+            if accepted < len(cont) and wanted <= len(cont):
+                rows = ahead[start - s.answered:start - s.answered + wanted]
+                self.verifier.rewind(s.sequence, confirmed + cont[:wanted])  # the KV of all but the last kept
+                self.ahead_served += wanted
+                self.ahead_dropped += len(cont) - wanted
+                return accepted, cont[:wanted], torch.cat(rows)
+        self.ahead_dropped += len(ahead)
+        self.verifier.rewind(s.sequence, confirmed)
+        return None
 
     @staticmethod
     def _features(logits: torch.Tensor, probs: torch.Tensor, token: int, params: SamplingParams) -> TokenFeatures:

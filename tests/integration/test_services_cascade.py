@@ -125,6 +125,26 @@ def test_a_filling_cascade_over_the_wire_equals_target_and_in_process(cluster):
     assert tokens == _in_process(folders, sampled, specs) and not failed
 
 
+def test_a_stage_extending_ahead_changes_no_token(cluster):
+    """A Stage service with `draft_ahead` runs its own tokens on while the target verifies, and answers calls
+    from them: greedy, the target-only tokens, with some calls answered from tokens ahead; sampled (no
+    extending ahead there), the in-process cascade's tokens, seed for seed."""
+    folders, ports, services = cluster
+    handle = services.start(create_stage(StageOptions(model=folders["stage"], dtype="float64", port=0, draft_ahead=True)))
+    ports, ahead = {**ports, "stage_ahead": handle.port}, handle.servicer
+    specs = [StageSpec(), StageSpec(fill=True)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    served = ahead.stage.ahead_served
+    tokens, stats, failed = _over_the_wire(ports, greedy, stage_names=("stage_low", "stage_ahead"), specs=specs)
+    assert tokens == generate(TargetVerifier(load_engine(folders["target"], dtype="float64")), None, PROMPT, greedy).token_ids
+    assert not failed and ahead.stage.ahead_served > served and ahead.stage.ahead_dropped > 0
+    sampled = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=30, ignore_eos=True, seed=7,
+                             acceptance_rule=AcceptanceRule.STANDARD)
+    tokens, _, failed = _over_the_wire(ports, sampled, stage_names=("stage_low", "stage_ahead"), specs=specs)
+    assert tokens == _in_process(folders, sampled, specs) and not failed
+    services.stop(handle)
+
+
 def test_a_seeded_cascade_over_the_wire_gives_the_target_only_tokens(cluster):
     """The coupled rule (the default): every level samples each position with the
     request's noise, so the cascade's tokens are target-only sampling's with that seed; no q travels."""

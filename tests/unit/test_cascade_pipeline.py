@@ -109,6 +109,36 @@ def test_a_filling_stage_drafts_what_the_lower_draft_did_not_give(engines):
     assert stage.ms_per_token == engines["stage"].stats.step_ms is not None
 
 
+def test_a_stage_extending_ahead_answers_as_one_that_does_not(engines):
+    """StageModel.extend_ahead: while the level above verifies, the stage runs plain rounds past its proposal;
+    a call whose confirmed tokens follow them is answered from them without a forward, any other call as
+    without them, and every answer (tokens, accepted count, features) is the one a stage that never
+    extends ahead gives."""
+    own = generate(TargetVerifier(engines["stage"]), None, PROMPT, GREEDY).token_ids
+    plain, ahead = StageModel(engines["stage"]), StageModel(engines["stage"])
+    sessions = [model.open(PROMPT, GREEDY, torch.Generator().manual_seed(0)) for model in (plain, ahead)]
+    calls = [  # (accepted, draft, m, fill_to, rounds ahead before the call, answered from them)
+        ([], [own[0], own[1] + 1], 1, 4, 0, False),
+        (own[:5], own[5:7] + [own[7] + 1], 1, 4, 6, True),  # proposal own[:4] + the guess own[4]: a hit
+        (own[5:9] + [own[9] + 1], [], 2, 0, 6, False),  # the level above replaced own[9]: a miss
+        ([own[10] + 1], own[11:13], 1, 3, 2, False),  # after the miss the stage's own tokens are not `own`
+    ]
+    for accepted, draft, m, fill, depth, served in calls:
+        while ahead.wants_ahead(sessions[1], depth):
+            ahead.extend_ahead([sessions[1]])
+        forwards = sessions[1].sequence.num_forwards
+        outs = [model.verify_and_extend(session, accepted, draft, None, m, fill)
+                for model, session in zip((plain, ahead), sessions)]
+        assert outs[1].proposal == outs[0].proposal and outs[1].num_accepted == outs[0].num_accepted
+        assert [f.top1_prob for f in outs[1].features] == pytest.approx([f.top1_prob for f in outs[0].features])
+        assert (sessions[1].sequence.num_forwards == forwards) == served
+    assert ahead.ahead_served == 4 and ahead.ahead_dropped > 0 and plain.ahead_served == 0
+    assert outs[0].proposal != own[11:14]  # the last call ran on a context the greedy run never had
+    sampled = ahead.open(PROMPT, SamplingParams(temperature=0.8, seed=1), torch.Generator().manual_seed(0))
+    ahead.verify_and_extend(sampled, [], [], None, 1)
+    assert not ahead.wants_ahead(sampled, 4)  # a verify round draws from the generator as a plain round does not
+
+
 def test_a_cascades_prior_is_its_base_and_filling_stages_tokens(engines):
     """The k policy's prior for a cascade (`cost_floor`): a first round that also prefills the prompt on
     every level must not stand for a draft token's cost."""
