@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servicekit.channels import open_channel
+from servicekit.streams import whole_answer_interval_ms
 from specmesh.proto.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 MODES = {"": coordinator_pb2.GENERATION_MODE_UNSPECIFIED, "speculative": coordinator_pb2.GENERATION_MODE_SPECULATIVE,
@@ -237,7 +238,11 @@ class CoordinatorClient:
                       **kwargs: Any) -> Generation:
         """`generate`, collected: the answer (the main stream, branch -1: in skeleton mode the merged
         answer, not the plan and the branches as they grew), finish reason, stats and client-side
-        timings; `on_text(delta)` sees the answer's text as it streams (a CLI prints it)."""
+        timings; `on_text(delta)` sees the answer's text as it streams (a CLI prints it). Without
+        `on_text` (and without a `stream_interval_ms` of the caller's) the request asks for no messages
+        between its first tokens and its last (`servicekit.streams.whole_answer_interval_ms`)."""
+        if on_text is None and "stream_interval_ms" not in kwargs:
+            kwargs["stream_interval_ms"] = whole_answer_interval_ms(kwargs.get("stop", ()))
         start_s = time.perf_counter()
         texts: list[str] = []
         result = Generation("", [], None, None)

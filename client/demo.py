@@ -117,7 +117,8 @@ async def _through_the_coordinator(address: str, runs: list[Run], generator) -> 
             result = await client.collect(prompt, **request, on_text=printer())
             print(f"\n[through the coordinator, {drafter} drafts] {stats_line(result)}")
             # timed in pairs, the same request in-process and through the cluster back to back (the order
-            # alternating), so both sides of a ratio see the same moment of a shared machine's speed
+            # alternating), so both sides of a ratio see the same moment of a shared machine's speed; each side
+            # collects the whole answer (the cluster's, `collect` without on_text: no messages in between)
             in_process_s, cluster_s = [], []
             for repeat in range(CLUSTER_PAIRS):
                 if repeat % 2:
@@ -129,8 +130,8 @@ async def _through_the_coordinator(address: str, runs: list[Run], generator) -> 
             num_tokens = len(result.token_ids)
             ratios = sorted(c / i for c, i in zip(cluster_s, in_process_s, strict=True))
             print(f"  -> in-process {num_tokens / statistics.median(in_process_s):.1f} tok/s vs cluster "
-                  f"{num_tokens / statistics.median(cluster_s):.1f} tok/s (medians of {CLUSTER_PAIRS} pairs, each pair's "
-                  f"two requests back to back): the cluster takes {statistics.median(ratios):.2f}x the in-process wall "
+                  f"{num_tokens / statistics.median(cluster_s):.1f} tok/s (whole answers; medians of {CLUSTER_PAIRS} pairs, each "
+                  f"pair's two requests back to back): the cluster takes {statistics.median(ratios):.2f}x the in-process wall "
                   f"time per token (the median pair's; the pairs' {ratios[0]:.2f}x-{ratios[-1]:.2f}x); output {same} "
                   "to in-process")
         stats = await client.stats()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from gateway.errors import OpenAIError, invalid
 from gateway.schema import MAX_SEED, ChatCompletionRequest, CompletionRequest, GenerationFields
+from servicekit.streams import whole_answer_interval_ms
 from specmesh.models.chat import ChatRoleError, chat_messages_ids
 from specmesh.proto.v1 import common_pb2, coordinator_pb2
 
@@ -58,6 +59,9 @@ def _request(body: GenerationFields, max_new_tokens: int | None, choice: int, re
         cascade=body.specmesh.cascade)
     if body.specmesh.cascade_lambda is not None:
         request.cascade_lambda = float(body.specmesh.cascade_lambda)
+    whole = None if body.stream else whole_answer_interval_ms(body.stop_strings)
+    if whole is not None:  # a completion answered whole: no messages between its first tokens and its last
+        request.stream_interval_ms = whole
     return request
 
 

@@ -327,6 +327,36 @@ def test_a_stream_interval_joins_the_messages_and_changes_no_token(cluster, targ
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_caller_that_reads_the_whole_answer_gets_no_messages_between(cluster):
+    """CoordinatorClient.collect without on_text asks for no messages between the first tokens and the last
+    (`whole_answer_interval_ms`); with on_text, or with stop strings (the Verify service does not know them),
+    the coordinator's interval (here each round). The tokens are the same."""
+    from client.coordinator_client import CoordinatorClient
+
+    async def main():
+        async with CoordinatorClient(cluster.address) as client:
+            asked, counts = [], []
+            generate_ = client.generate
+
+            async def counting(prompt, **kwargs):
+                asked.append(kwargs.get("stream_interval_ms"))
+                counts.append(0)
+                async for chunk in generate_(prompt, **kwargs):
+                    counts[-1] += 1
+                    yield chunk
+
+            client.generate = counting
+            request = dict(mode="autoregressive", max_new_tokens=16, ignore_eos=True)
+            whole = await client.collect(PROMPT, **request)
+            streamed = await client.collect(PROMPT, on_text=lambda text: None, **request)
+            stopped = await client.collect(PROMPT, stop=["never in this text"], **request)
+            return whole, streamed, stopped, asked, counts
+
+    whole, streamed, stopped, asked, counts = _run(main())
+    assert whole.token_ids == streamed.token_ids == stopped.token_ids and len(whole.token_ids) == 16
+    assert asked == [10_000, None, None] and counts == [2, 16, 16]
+
+
 def test_concurrent_streams_are_exact_and_batched(cluster, target, tokenizer):
     prompts = [f"{PROMPT} {i}" for i in range(16)]
     engine = cluster.verify[0].servicer.engine
