@@ -21,6 +21,9 @@ Writes bench/results/cascade_cluster.{json,md} (`--out` another stem; `--config`
 `stage_service/servicer.py`), configured as the Coordinator's second stage; the cascade rows name their
 stage per request, a row "speculative, cascade, the Stage extending ahead" is added, and the adaptive row
 is left out (its predictor was trained for one stage). Only one of the two Stage services works at a time.
+`--pin`: the Stage services on core 0 and the Verify service on core 1, a thread each, so a Stage's forwards
+ahead run beside the Verify service's instead of on its cores. `--k K`: the speculative rows at a fixed k
+(default 0: the Coordinator's adaptive k).
 """
 
 from __future__ import annotations
@@ -63,15 +66,19 @@ REFERENCE = "autoregressive"
 SHIPPED, AHEAD = "speculative, shipped cascade (n-gram -> bf16 fill -> fp32)", "speculative, cascade, the Stage extending ahead"
 
 
-def with_ahead_stage(config: str) -> tuple[str, dict]:
+def with_ahead_stage(config: str, pin: bool = False) -> tuple[str, dict]:
     """`config` with a Stage service `stage_ahead` beside its `stage` (the same, extending ahead), both
-    configured on the Coordinator (no predictor), written to a temporary file; and the rows naming each."""
+    configured on the Coordinator (no predictor), written to a temporary file; and the rows naming each.
+    `pin`: the Stage services on core 0, the Verify service on core 1, a thread each."""
     import tempfile
 
     import yaml
 
     data = yaml.safe_load(Path(config).read_text())
     services = data["services"]
+    if pin:
+        services["stage"].update(cpus="0", torch_threads=1)
+        services["verify"].update(cpus="1", torch_threads=1)
     ahead = {**services["stage"], "draft_ahead": True, "port": services["stage"]["port"] + 10}
     ahead.pop("metrics_port", None)
     services["stage_ahead"] = ahead
@@ -85,9 +92,9 @@ def with_ahead_stage(config: str) -> tuple[str, dict]:
     return str(path), rows
 
 
-async def one(address: str, prompt: str, mode: int, cascade: str, lam: float | None, max_new_tokens: int) -> dict:
+async def one(address: str, prompt: str, mode: int, cascade: str, lam: float | None, max_new_tokens: int, k: int = 0) -> dict:
     return await through_cluster(address, prompt, mode, "service" if mode == SPEC else "", max_new_tokens,
-                                 cascade=cascade, cascade_lambda=lam)
+                                 k if mode == SPEC else 0, cascade=cascade, cascade_lambda=lam)
 
 
 def agreement(tokens: list[int], reference: list[int]) -> float:
@@ -102,10 +109,14 @@ def main() -> int:
     parser.add_argument("--config", default=str(CONFIG), help="another cluster file (default: the shipped cascade)")
     parser.add_argument("--out", default="cascade_cluster", help="results file stem under bench/results")
     parser.add_argument("--ahead", action="store_true", help="add a Stage service extending ahead, and its row")
+    parser.add_argument("--pin", action="store_true", help="with --ahead: Stage services on core 0, Verify on core 1")
+    parser.add_argument("--k", type=int, default=0, help="the speculative rows' fixed k (0: adaptive)")
     args = parser.parse_args()
     prompts = CHAT_PROMPTS[:2] if args.quick else CHAT_PROMPTS
     repeats, max_new = (1, 16) if args.quick else (args.repeats, args.max_new_tokens)
-    config, rows_run = with_ahead_stage(args.config) if args.ahead else (args.config, ROWS)
+    if args.pin and not args.ahead:
+        parser.error("--pin goes with --ahead")
+    config, rows_run = with_ahead_stage(args.config, args.pin) if args.ahead else (args.config, ROWS)
     specs = load_cluster_config(config)  # as that file places them on this host
     placement = {s.name: (list(s.cpus), s.torch_threads) for s in specs}
     for spec in specs:
@@ -123,7 +134,7 @@ def main() -> int:
             for index, prompt in enumerate(prompts):
                 order = list(rows_run) if (repeat + index) % 2 == 0 else list(rows_run)[::-1]
                 for name in order:
-                    run = asyncio.run(one(address, prompt, *rows_run[name], max_new))
+                    run = asyncio.run(one(address, prompt, *rows_run[name], max_new, args.k))
                     run.update(prompt=index, repeat=repeat)
                     runs[name].append(run)
                 print(f"[repeat {repeat + 1}/{repeats}, prompt {index}] "
@@ -152,7 +163,7 @@ def main() -> int:
         f" --repeats {args.repeats}" if args.repeats != 3 and not args.quick else "") + (
         f" --max-new-tokens {args.max_new_tokens}" if args.max_new_tokens != 64 and not args.quick else "") + (
         f" --config {args.config}" if args.config != str(CONFIG) else "") + (f" --out {args.out}" if args.out != "cascade_cluster" else "") + (
-        " --ahead" if args.ahead else "")
+        " --ahead" if args.ahead else "") + (" --pin" if args.pin else "") + (f" --k {args.k}" if args.k else "")
     out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
            "cores": os.cpu_count(), "placement": placement, "repeats": repeats, "max_new_tokens": max_new,
            "prompts": prompts, "rows": rows, "runs": runs}

@@ -40,6 +40,8 @@ class RemoteStageSession:
     session_id: str
     return_q: bool  # standard sampling: the stage sends its q for the next level (`SamplingParams.needs_q`)
     ms_per_token: float | None = None  # one of the stage's own tokens, as it said at open or last answered (None: not said)
+    drafts_ahead: bool = False  # the service extends the session's proposals ahead (StageOptions.draft_ahead)
+    ahead_forward_ms: float | None = None  # what one of its forwards ahead costs, as it last answered (None: not said)
 
 
 class RemoteStage:
@@ -68,10 +70,17 @@ class RemoteStage:
         response = await self.stub.OpenSession(stage_pb2.StageOpenSessionRequest(
             prompt_token_ids=list(prompt_ids), sampling=_token_level(params)), timeout=self.timeout_s, metadata=self.metadata)
         return RemoteStageSession(response.session_id, return_q=params.needs_q,
-                                  ms_per_token=response.ms_per_token if response.HasField("ms_per_token") else None)
+                                  ms_per_token=response.ms_per_token if response.HasField("ms_per_token") else None,
+                                  drafts_ahead=response.drafts_ahead)
 
     def opened_ms_per_token(self, session: RemoteStageSession) -> float | None:
         return session.ms_per_token
+
+    def drafts_ahead(self, session: RemoteStageSession) -> bool:
+        return session.drafts_ahead
+
+    def ahead_forward_ms(self, session: RemoteStageSession) -> float | None:
+        return session.ahead_forward_ms
 
     async def verify_and_extend(self, session: RemoteStageSession, accepted: Sequence[int], draft: Sequence[int],
                                 q: torch.Tensor | None, num_extend: int, fill_to: int = 0) -> StageOutput:
@@ -85,6 +94,7 @@ class RemoteStage:
         self.counters.add(request, response)
         if response.HasField("ms_per_token"):
             session.ms_per_token = response.ms_per_token  # its cost now: the cascade's figure after this round
+        session.ahead_forward_ms = response.ahead_forward_ms if response.HasField("ahead_forward_ms") else None
         return stage_output_from_pb(response, len(draft), num_extend, session.return_q, vocab_size, fill_to)
 
     async def close(self, session: RemoteStageSession) -> None:

@@ -83,7 +83,8 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
             session = await self.engine_thread.run(self.stage.open, prompt, params, generator)
             session_id = await self.add_session(session)
         return stage_pb2.StageOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=seed,
-                                                  ms_per_token=self.engine.stats.step_ms)
+                                                  ms_per_token=self.engine.stats.step_ms,
+                                                  drafts_ahead=self._extends_ahead(session))
 
     @rpc_method
     async def VerifyAndExtend(self, request, context) -> stage_pb2.VerifyAndExtendResponse:
@@ -116,10 +117,14 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
             clock.answered(time.perf_counter())
             self._want_ahead(session, 1 + max(request.fill_to_tokens, len(draft) + request.num_extend_tokens))
         self.metrics.record_verification(len(draft), out.num_accepted)
+        ahead_ms = (self._ahead_forward_ms or self.engine.stats.step_ms) if self._extends_ahead(session) else None
         return verify_and_extend_response(out, request.return_distributions, vocab, (time.perf_counter() - start) * 1e3,
-                                          self.engine.stats.step_ms)
+                                          self.engine.stats.step_ms, ahead_ms)
 
     # extending ahead (module docstring)
+    def _extends_ahead(self, session: StageSession) -> bool:
+        return self.options.draft_ahead and session.sequence.params.is_greedy and session.sequence.constraint is None
+
     def _want_ahead(self, session: StageSession, depth: int) -> None:
         if not (self.options.draft_ahead and self.stage.wants_ahead(session, depth)):
             return

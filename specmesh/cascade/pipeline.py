@@ -32,7 +32,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -65,6 +65,17 @@ class Stage(Protocol):
                           num_extend: int, fill_to: int = 0) -> StageOutput: ...
 
     def close(self, session: Any) -> None: ...
+
+
+@runtime_checkable
+class AheadStage(Protocol):
+    """Optional, on an async stage: whether its service extends the session's proposals ahead while the
+    level above verifies them (a Stage service with `draft_ahead`), and what one of its forwards ahead
+    costs as it last said (None: not said)."""
+
+    def drafts_ahead(self, session: Any) -> bool: ...
+
+    def ahead_forward_ms(self, session: Any) -> float | None: ...
 
 
 class AsyncStage(Protocol):
@@ -307,7 +318,37 @@ class AsyncCascadeDrafter:
                 if not stats.retired]
         return cost_floor(base_ms, [spec for spec, _ in live], [ms for _, ms in live])
 
+    def opened_drafting_ahead(self, state: CascadeState) -> bool:
+        """`AheadReporter`: the top stage fills the level above's k and extends ahead for this session, so
+        its work on a round is mostly done while the target verifies the last one (on a hit, as a Draft
+        service drafting ahead: the k policy prices rounds alike, `AdaptiveK.set_drafting_ahead`)."""
+        return self._top_ahead(state) is not None
+
+    def _top_ahead(self, state: CascadeState) -> tuple[AheadStage, Any] | None:
+        if not self.stages or len(state.stages) < len(self.stages):
+            return None
+        top, session = self.stages[-1], state.stages[-1]
+        if (session is None or not self.specs[-1].fill or not isinstance(top, AheadStage)
+                or (state.stage_stats and state.stage_stats[-1].retired) or not top.drafts_ahead(session)):
+            return None
+        return top, session
+
+    def _ahead_ms(self, state: CascadeState) -> float | None:
+        """What a forward ahead of the top stage costs, when it extends ahead (its last word, else its token's)."""
+        top = self._top_ahead(state)
+        if top is None:
+            return None
+        stage, session = top
+        said = stage.ahead_forward_ms(session)
+        return said if said is not None else getattr(stage, "opened_ms_per_token", lambda s: None)(session)
+
     async def propose(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
+        proposal = await self._propose(state, accepted_since_last, max_tokens)
+        if not proposal.unverified:
+            proposal.ahead_forward_ms = self._ahead_ms(state)
+        return proposal
+
+    async def _propose(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         book = state.book
         assert book is not None  # made by open
         proposal = DraftProposal(token_ids=[])

@@ -22,10 +22,11 @@ Extending ahead (`extend_ahead`, greedy sessions). While the level above verifie
 may go on as if it confirms all of P and then emits the stage's own next token g: plain rounds on the
 sequence (feed P's last token -> g, feed g -> y0, ...), their logits kept. The next call's confirmed
 tokens are then usually a prefix of that sequence (P, g); when they are, the stage's greedy continuation
-after them is known: D is accepted up to its first token that differs from it, the final token and the
-extension are its next tokens, and the call is answered from them without a forward when they reach far
-enough (`ahead_served`). Otherwise the sequence is rewound to the confirmed tokens, keeping the KV they
-share (`ahead_dropped`), and the call runs as without extending ahead. Each answered token is the argmax
+after them is known as far as the rounds ahead went: D is accepted up to its first token that differs from
+it, the final token and the extension are its next tokens (`ahead_served`), and forwards run only for what
+they do not reach (the rest of D when all of them matched it, then the extension's remaining tokens).
+Otherwise the sequence is rewound to the confirmed tokens, keeping the KV they share (`ahead_dropped`),
+and the call runs as without extending ahead. Each answered token is the argmax
 of this stage's logits at its position either way; on an engine whose steps equal its chains bit for
 bit (`NativeEngine.steps_equal_chains`) they are the same logits, elsewhere a near tie may break the
 other way, which changes a draft, never the target's output. Sampled sessions do not extend ahead: a
@@ -33,6 +34,7 @@ verify round's draws from the generator differ from a plain round's.
 
     greedy, proposal P = [a, x, z] answered (z pending); ahead: feed [z] -> g; feed [g] -> y0, y1
     next call accepted [a, x, z, g], D = [y0, q], m = 1: accept y0, final y1, no forward
+    next call accepted [a, x, z, g], D = [y0, y1, q], m = 1: feed [y1, q] -> accept q or not, and its final
 """
 
 from __future__ import annotations
@@ -118,18 +120,27 @@ class StageModel:
             raise ContextLengthError("the draft and extension do not fit in the context window")
         proposal = DraftProposal(token_ids=[int(t) for t in draft], q=q)
         proposal.validate(self.engine.vocab_size)
-        served = self._from_ahead(s, confirmed, proposal.token_ids, num_extend, fill_to)
+        cont, rows = self._ahead_after(s, confirmed)  # this stage's own tokens after `confirmed`, known already
         s.confirmed = confirmed
-        if served is not None:
-            num_accepted, tokens, logits = served
-        else:
-            first = self.verifier.verify(s.sequence, proposal, keep_logits=True)
-            outcomes, tokens = [first], list(first.token_ids)
-            while len(outcomes) < num_extend or len(tokens) < fill_to:
-                outcomes.append(self.verifier.verify(s.sequence, DraftProposal(token_ids=[]), keep_logits=True))
-                tokens += outcomes[-1].token_ids
-            num_accepted = first.num_accepted
-            logits = torch.cat([_kept_logits(outcome) for outcome in outcomes])  # [len(tokens), vocab]
+        judged = 0  # draft tokens the tokens ahead accept
+        while judged < min(proposal.num_tokens, len(cont)) and proposal.token_ids[judged] == cont[judged]:
+            judged += 1
+        if judged < len(cont):  # they judge the draft: `judged` accepted, the final token theirs
+            num_accepted = judged
+            taken = min(max(judged + max(num_extend, 1), fill_to), len(cont))
+        else:  # every token ahead is a draft token: the forward judges the rest of the draft
+            taken = len(cont)
+        self._take_ahead(s, confirmed, cont, taken)
+        tokens, logits_rows = cont[:taken], rows[:taken]
+        if judged == len(cont):
+            rest = DraftProposal(proposal.token_ids[judged:], None if q is None else q[judged:])
+            first = self.verifier.verify(s.sequence, rest, keep_logits=True)
+            num_accepted = judged + first.num_accepted
+            tokens, logits_rows = tokens + list(first.token_ids), logits_rows + [_kept_logits(first)]
+        while len(tokens) < max(num_accepted + max(num_extend, 1), fill_to):  # this stage's own tokens
+            outcome = self.verifier.verify(s.sequence, DraftProposal(token_ids=[]), keep_logits=True)
+            tokens, logits_rows = tokens + list(outcome.token_ids), logits_rows + [_kept_logits(outcome)]
+        logits = torch.cat(logits_rows)  # [len(tokens), vocab]
         s.answered = s.sequence.num_tokens
         p = processed_probs(logits, s.sequence.params)
         features = [self._features(row_logits, row_p, token, s.sequence.params)
@@ -152,30 +163,26 @@ class StageModel:
         for s, outcome in zip(sessions, outcomes):
             s.ahead_logits.append(_kept_logits(outcome))
 
-    def _from_ahead(self, s: StageSession, confirmed: list[int], draft: list[int], num_extend: int,
-                    fill_to: int) -> tuple[int, list[int], torch.Tensor] | None:
-        """The call answered from the rounds ahead: (drafts accepted, proposal, its logits rows); None when they
-        do not reach (the sequence then rewound to `confirmed`, as a call without them starts)."""
+    def _ahead_after(self, s: StageSession, confirmed: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+        """The tokens extended ahead that follow `confirmed` and their logits rows; none (the sequence then
+        rewound to `confirmed`, as a call without them starts) when the confirmed tokens left them."""
         ahead, s.ahead_logits = s.ahead_logits, []
-        known = s.sequence.token_ids
-        start = len(confirmed)
-        usable = bool(ahead) and s.answered < start <= len(known) and known[:start] == confirmed
-        s.guess_held = usable if ahead else None
-        if usable:
-            cont = known[start:]
-            accepted = 0
-            while accepted < min(len(draft), len(cont)) and draft[accepted] == cont[accepted]:
-                accepted += 1
-            wanted = max(accepted + max(num_extend, 1), fill_to)
-            if accepted < len(cont) and wanted <= len(cont):
-                rows = ahead[start - s.answered:start - s.answered + wanted]
-                self.verifier.rewind(s.sequence, confirmed + cont[:wanted])  # the KV of all but the last kept
-                self.ahead_served += wanted
-                self.ahead_dropped += len(cont) - wanted
-                return accepted, cont[:wanted], torch.cat(rows)
+        known, start = s.sequence.token_ids, len(confirmed)
+        followed = bool(ahead) and s.answered < start <= len(known) and known[:start] == confirmed
+        s.guess_held = followed if ahead else None
+        if followed and start < len(known):
+            return known[start:], ahead[start - s.answered:]
         self.ahead_dropped += len(ahead)
         self.verifier.rewind(s.sequence, confirmed)
-        return None
+        return [], []
+
+    def _take_ahead(self, s: StageSession, confirmed: list[int], cont: list[int], taken: int) -> None:
+        """The sequence made `confirmed` + the first `taken` tokens ahead (their KV kept, the last pending)."""
+        if not cont:
+            return
+        self.verifier.rewind(s.sequence, confirmed + cont[:taken])
+        self.ahead_served += taken
+        self.ahead_dropped += len(cont) - taken
 
     @staticmethod
     def _features(logits: torch.Tensor, probs: torch.Tensor, token: int, params: SamplingParams) -> TokenFeatures:

@@ -142,7 +142,27 @@ def test_a_stage_extending_ahead_changes_no_token(cluster):
                              acceptance_rule=AcceptanceRule.STANDARD)
     tokens, _, failed = _over_the_wire(ports, sampled, stage_names=("stage_low", "stage_ahead"), specs=specs)
     assert tokens == _in_process(folders, sampled, specs) and not failed
+    assert asyncio.run(_says_it_extends_ahead(ports)) == [(True, True, True), (False, False, False), (False, False, False)]
     services.stop(handle)
+
+
+async def _says_it_extends_ahead(ports) -> list[tuple[bool, bool, bool]]:
+    """For (the stage extending ahead, greedy), (it, sampled), (a stage that does not, greedy): whether the
+    session says it extends ahead, whether a filling cascade on it says it drafts ahead (the k policy then
+    prices rounds by what that hides), and whether its proposal says what a forward ahead costs."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, seed=1)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=1, acceptance_rule=AcceptanceRule.STANDARD)
+    said = []
+    for name, params in (("stage_ahead", greedy), ("stage_ahead", sampled), ("stage", greedy)):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{ports[name]}") as channel:
+            stage = RemoteStage(stage_pb2_grpc.StageServiceStub(channel), timeout_s=30)
+            cascade = AsyncCascadeDrafter(None, [stage], [StageSpec(fill=True)])
+            state = await cascade.open(PROMPT, params)
+            proposal = await cascade.propose(state, [], 3)
+            said.append((stage.drafts_ahead(state.stages[0]), cascade.opened_drafting_ahead(state),
+                         proposal.ahead_forward_ms is not None))
+            await cascade.close(state)
+    return said
 
 
 def test_a_seeded_cascade_over_the_wire_gives_the_target_only_tokens(cluster):

@@ -120,8 +120,9 @@ def test_a_stage_extending_ahead_answers_as_one_that_does_not(engines):
     calls = [  # (accepted, draft, m, fill_to, rounds ahead before the call, answered from them)
         ([], [own[0], own[1] + 1], 1, 4, 0, False),
         (own[:5], own[5:7] + [own[7] + 1], 1, 4, 6, True),  # proposal own[:4] + the guess own[4]: a hit
-        (own[5:9] + [own[9] + 1], [], 2, 0, 6, False),  # the level above replaced own[9]: a miss
-        ([own[10] + 1], own[11:13], 1, 3, 2, False),  # after the miss the stage's own tokens are not `own`
+        (own[5:10], own[10:12] + [own[12] + 1], 1, 4, 2, False),  # a hit, own[10] ahead: the rest of D needs a forward
+        (own[10:14] + [own[14] + 1], [], 2, 0, 6, False),  # the level above replaced own[14]: a miss
+        ([own[16] + 1], own[17:19], 1, 3, 2, False),  # after the miss the stage's own tokens are not `own`
     ]
     for accepted, draft, m, fill, depth, served in calls:
         while ahead.wants_ahead(sessions[1], depth):
@@ -132,8 +133,7 @@ def test_a_stage_extending_ahead_answers_as_one_that_does_not(engines):
         assert outs[1].proposal == outs[0].proposal and outs[1].num_accepted == outs[0].num_accepted
         assert [f.top1_prob for f in outs[1].features] == pytest.approx([f.top1_prob for f in outs[0].features])
         assert (sessions[1].sequence.num_forwards == forwards) == served
-    assert ahead.ahead_served == 4 and ahead.ahead_dropped > 0 and plain.ahead_served == 0
-    assert outs[0].proposal != own[11:14]  # the last call ran on a context the greedy run never had
+    assert ahead.ahead_served == 4 + 1 and ahead.ahead_dropped > 0 and plain.ahead_served == 0
     sampled = ahead.open(PROMPT, SamplingParams(temperature=0.8, seed=1), torch.Generator().manual_seed(0))
     ahead.verify_and_extend(sampled, [], [], None, 1)
     assert not ahead.wants_ahead(sampled, 4)  # a verify round draws from the generator as a plain round does not

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.proto.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/stage.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"t\n\x17StageOpenSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParamsJ\x04\x08\x03\x10\x04R\nsession_id\"x\n\x18StageOpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x19\n\x0cms_per_token\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_ms_per_token\"\x87\x02\n\x16VerifyAndExtendRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\x36\n\rdistributions\x18\x04 \x01(\x0b\x32\x1f.specmesh.v1.DraftDistributions\x12\x19\n\x11num_extend_tokens\x18\x05 \x01(\r\x12\x1c\n\x14return_distributions\x18\x06 \x01(\x08\x12\x1b\n\x13\x64\x65terministic_draft\x18\x07 \x01(\x08\x12\x16\n\x0e\x66ill_to_tokens\x18\x08 \x01(\r\"O\n\rTokenFeatures\x12\x14\n\x0c\x65ntropy_nats\x18\x01 \x01(\x02\x12\x11\n\ttop1_prob\x18\x02 \x01(\x02\x12\x15\n\rtoken_logprob\x18\x03 \x01(\x02\"\xf6\x01\n\x17VerifyAndExtendResponse\x12\x1b\n\x13num_accepted_tokens\x18\x01 \x01(\r\x12\x1a\n\x12proposal_token_ids\x18\x02 \x03(\r\x12\x36\n\rdistributions\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.DraftDistributions\x12,\n\x08\x66\x65\x61tures\x18\x04 \x03(\x0b\x32\x1a.specmesh.v1.TokenFeatures\x12\x10\n\x08stage_ms\x18\x05 \x01(\x01\x12\x19\n\x0cms_per_token\x18\x06 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_ms_per_token\".\n\x18StageCloseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\",\n\x19StageCloseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x15\n\x13StageGetInfoRequest\"\x8a\x01\n\x14StageGetInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.ModelInfo\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x14.specmesh.v1.KvUsage\x12)\n\x07process\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.ProcessInfo2\xf7\x02\n\x0cStageService\x12Z\n\x0bOpenSession\x12$.specmesh.v1.StageOpenSessionRequest\x1a%.specmesh.v1.StageOpenSessionResponse\x12\\\n\x0fVerifyAndExtend\x12#.specmesh.v1.VerifyAndExtendRequest\x1a$.specmesh.v1.VerifyAndExtendResponse\x12]\n\x0c\x43loseSession\x12%.specmesh.v1.StageCloseSessionRequest\x1a&.specmesh.v1.StageCloseSessionResponse\x12N\n\x07GetInfo\x12 .specmesh.v1.StageGetInfoRequest\x1a!.specmesh.v1.StageGetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/stage.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"t\n\x17StageOpenSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParamsJ\x04\x08\x03\x10\x04R\nsession_id\"\x8e\x01\n\x18StageOpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x19\n\x0cms_per_token\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0c\x64rafts_ahead\x18\x05 \x01(\x08\x42\x0f\n\r_ms_per_token\"\x87\x02\n\x16VerifyAndExtendRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x02 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\x36\n\rdistributions\x18\x04 \x01(\x0b\x32\x1f.specmesh.v1.DraftDistributions\x12\x19\n\x11num_extend_tokens\x18\x05 \x01(\r\x12\x1c\n\x14return_distributions\x18\x06 \x01(\x08\x12\x1b\n\x13\x64\x65terministic_draft\x18\x07 \x01(\x08\x12\x16\n\x0e\x66ill_to_tokens\x18\x08 \x01(\r\"O\n\rTokenFeatures\x12\x14\n\x0c\x65ntropy_nats\x18\x01 \x01(\x02\x12\x11\n\ttop1_prob\x18\x02 \x01(\x02\x12\x15\n\rtoken_logprob\x18\x03 \x01(\x02\"\xaa\x02\n\x17VerifyAndExtendResponse\x12\x1b\n\x13num_accepted_tokens\x18\x01 \x01(\r\x12\x1a\n\x12proposal_token_ids\x18\x02 \x03(\r\x12\x36\n\rdistributions\x18\x03 \x01(\x0b\x32\x1f.specmesh.v1.DraftDistributions\x12,\n\x08\x66\x65\x61tures\x18\x04 \x03(\x0b\x32\x1a.specmesh.v1.TokenFeatures\x12\x10\n\x08stage_ms\x18\x05 \x01(\x01\x12\x19\n\x0cms_per_token\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10\x61head_forward_ms\x18\x07 \x01(\x01H\x01\x88\x01\x01\x42\x0f\n\r_ms_per_tokenB\x13\n\x11_ahead_forward_ms\".\n\x18StageCloseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\",\n\x19StageCloseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x15\n\x13StageGetInfoRequest\"\x8a\x01\n\x14StageGetInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.ModelInfo\x12 \n\x02kv\x18\x02 \x01(\x0b\x32\x14.specmesh.v1.KvUsage\x12)\n\x07process\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.ProcessInfo2\xf7\x02\n\x0cStageService\x12Z\n\x0bOpenSession\x12$.specmesh.v1.StageOpenSessionRequest\x1a%.specmesh.v1.StageOpenSessionResponse\x12\\\n\x0fVerifyAndExtend\x12#.specmesh.v1.VerifyAndExtendRequest\x1a$.specmesh.v1.VerifyAndExtendResponse\x12]\n\x0c\x43loseSession\x12%.specmesh.v1.StageCloseSessionRequest\x1a&.specmesh.v1.StageCloseSessionResponse\x12N\n\x07GetInfo\x12 .specmesh.v1.StageGetInfoRequest\x1a!.specmesh.v1.StageGetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,22 +34,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STAGEOPENSESSIONREQUEST']._serialized_start=66
   _globals['_STAGEOPENSESSIONREQUEST']._serialized_end=182
-  _globals['_STAGEOPENSESSIONRESPONSE']._serialized_start=184
-  _globals['_STAGEOPENSESSIONRESPONSE']._serialized_end=304
-  _globals['_VERIFYANDEXTENDREQUEST']._serialized_start=307
-  _globals['_VERIFYANDEXTENDREQUEST']._serialized_end=570
-  _globals['_TOKENFEATURES']._serialized_start=572
-  _globals['_TOKENFEATURES']._serialized_end=651
-  _globals['_VERIFYANDEXTENDRESPONSE']._serialized_start=654
-  _globals['_VERIFYANDEXTENDRESPONSE']._serialized_end=900
-  _globals['_STAGECLOSESESSIONREQUEST']._serialized_start=902
-  _globals['_STAGECLOSESESSIONREQUEST']._serialized_end=948
-  _globals['_STAGECLOSESESSIONRESPONSE']._serialized_start=950
-  _globals['_STAGECLOSESESSIONRESPONSE']._serialized_end=994
-  _globals['_STAGEGETINFOREQUEST']._serialized_start=996
-  _globals['_STAGEGETINFOREQUEST']._serialized_end=1017
-  _globals['_STAGEGETINFORESPONSE']._serialized_start=1020
-  _globals['_STAGEGETINFORESPONSE']._serialized_end=1158
-  _globals['_STAGESERVICE']._serialized_start=1161
-  _globals['_STAGESERVICE']._serialized_end=1536
+  _globals['_STAGEOPENSESSIONRESPONSE']._serialized_start=185
+  _globals['_STAGEOPENSESSIONRESPONSE']._serialized_end=327
+  _globals['_VERIFYANDEXTENDREQUEST']._serialized_start=330
+  _globals['_VERIFYANDEXTENDREQUEST']._serialized_end=593
+  _globals['_TOKENFEATURES']._serialized_start=595
+  _globals['_TOKENFEATURES']._serialized_end=674
+  _globals['_VERIFYANDEXTENDRESPONSE']._serialized_start=677
+  _globals['_VERIFYANDEXTENDRESPONSE']._serialized_end=975
+  _globals['_STAGECLOSESESSIONREQUEST']._serialized_start=977
+  _globals['_STAGECLOSESESSIONREQUEST']._serialized_end=1023
+  _globals['_STAGECLOSESESSIONRESPONSE']._serialized_start=1025
+  _globals['_STAGECLOSESESSIONRESPONSE']._serialized_end=1069
+  _globals['_STAGEGETINFOREQUEST']._serialized_start=1071
+  _globals['_STAGEGETINFOREQUEST']._serialized_end=1092
+  _globals['_STAGEGETINFORESPONSE']._serialized_start=1095
+  _globals['_STAGEGETINFORESPONSE']._serialized_end=1233
+  _globals['_STAGESERVICE']._serialized_start=1236
+  _globals['_STAGESERVICE']._serialized_end=1611
 # @@protoc_insertion_point(module_scope)

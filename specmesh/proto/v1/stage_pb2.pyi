@@ -53,12 +53,15 @@ class StageOpenSessionResponse(_message.Message):
     TTL_MS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    DRAFTS_AHEAD_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     ttl_ms: _builtins.int
     seed: _builtins.int
     """this stage's generator seed (the server's pick when none was set)"""
     ms_per_token: _builtins.float
     """one of this stage's own tokens (a one-token forward) now; unset: not timed"""
+    drafts_ahead: _builtins.bool
+    """this service extends the session's proposal ahead while the level above"""
     def __init__(
         self,
         *,
@@ -66,10 +69,11 @@ class StageOpenSessionResponse(_message.Message):
         ttl_ms: _builtins.int = ...,
         seed: _builtins.int = ...,
         ms_per_token: _builtins.float | None = ...,
+        drafts_ahead: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "ms_per_token", b"ms_per_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "ms_per_token", b"ms_per_token", "seed", b"seed", "session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "drafts_ahead", b"drafts_ahead", "ms_per_token", b"ms_per_token", "seed", b"seed", "session_id", b"session_id", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__ms_per_token: _TypeAlias = _typing.Literal["ms_per_token"]  # noqa: Y015
     _WhichOneofArgType__ms_per_token: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token"]  # noqa: Y015
@@ -172,11 +176,14 @@ class VerifyAndExtendResponse(_message.Message):
     FEATURES_FIELD_NUMBER: _builtins.int
     STAGE_MS_FIELD_NUMBER: _builtins.int
     MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    AHEAD_FORWARD_MS_FIELD_NUMBER: _builtins.int
     num_accepted_tokens: _builtins.int
     """draft tokens this stage accepted"""
     stage_ms: _builtins.float
     ms_per_token: _builtins.float
     """one of this stage's own tokens now (as at OpenSession); unset: not timed"""
+    ahead_forward_ms: _builtins.float
+    """set when the service extends ahead for this session: what one of its"""
     @_builtins.property
     def proposal_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """accepted draft tokens + this stage's own tokens: the next stage's draft"""
@@ -198,13 +205,19 @@ class VerifyAndExtendResponse(_message.Message):
         features: _abc.Iterable[Global___TokenFeatures] | None = ...,
         stage_ms: _builtins.float = ...,
         ms_per_token: _builtins.float | None = ...,
+        ahead_forward_ms: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "distributions", b"distributions", "ms_per_token", b"ms_per_token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ahead_forward_ms", b"_ahead_forward_ms", "_ms_per_token", b"_ms_per_token", "ahead_forward_ms", b"ahead_forward_ms", "distributions", b"distributions", "ms_per_token", b"ms_per_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token", "distributions", b"distributions", "features", b"features", "ms_per_token", b"ms_per_token", "num_accepted_tokens", b"num_accepted_tokens", "proposal_token_ids", b"proposal_token_ids", "stage_ms", b"stage_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ahead_forward_ms", b"_ahead_forward_ms", "_ms_per_token", b"_ms_per_token", "ahead_forward_ms", b"ahead_forward_ms", "distributions", b"distributions", "features", b"features", "ms_per_token", b"ms_per_token", "num_accepted_tokens", b"num_accepted_tokens", "proposal_token_ids", b"proposal_token_ids", "stage_ms", b"stage_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__ahead_forward_ms: _TypeAlias = _typing.Literal["ahead_forward_ms"]  # noqa: Y015
+    _WhichOneofArgType__ahead_forward_ms: _TypeAlias = _typing.Literal["_ahead_forward_ms", b"_ahead_forward_ms"]  # noqa: Y015
     _WhichOneofReturnType__ms_per_token: _TypeAlias = _typing.Literal["ms_per_token"]  # noqa: Y015
     _WhichOneofArgType__ms_per_token: _TypeAlias = _typing.Literal["_ms_per_token", b"_ms_per_token"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ahead_forward_ms) -> _WhichOneofReturnType__ahead_forward_ms | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__ms_per_token) -> _WhichOneofReturnType__ms_per_token | None: ...
 
 Global___VerifyAndExtendResponse: _TypeAlias = VerifyAndExtendResponse  # noqa: Y015
