@@ -56,7 +56,7 @@ from servicekit.process import process_info_pb
 from servicekit.rounds import RoundLog
 from servicekit.session_service import SessionService
 from servicekit.tasks import cancel_and_wait
-from specmesh.decoding.ahead import AheadClock, moving_average
+from specmesh.decoding.ahead import AheadClock, moving_average, prefill_at_open
 from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import draft_seed
@@ -73,7 +73,6 @@ DrafterFactory = Callable[[RoundQ | None], Drafter]  # q transform -> a drafter 
 
 
 MAX_KV_SOURCES = 8  # Verify services' shared caches kept mapped (`_target_kv`)
-PREFILL_WHILE_DRAFTING = 0.5  # share of the closed sessions that drafted, above which prompts are prefilled at open
 
 @dataclass
 class DraftSession:
@@ -317,7 +316,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         if encoder_input_ids:
             return ModelDrafter(self.engine.bind(encoder_input_ids)).open(prompt)
         state = self.drafter.open(prompt)
-        if self.draft_ahead and (self._sessions_drafting is None or self._sessions_drafting >= PREFILL_WHILE_DRAFTING):
+        if self.draft_ahead and prefill_at_open(self._sessions_drafting):
             self.drafter.prefill([state])
         return state
 

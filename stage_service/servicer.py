@@ -7,6 +7,11 @@ answer as its next call can use. The rule of when a forward ahead pays is the Dr
 (`specmesh.decoding.ahead.forward_pays`): one that would still run when the session's next call is due
 starts only where the level above usually confirms the stage's guess. Answers are the same either way
 (`specmesh.cascade.stage_model`, "Extending ahead"); a call that finds its tokens ahead needs no forward.
+Such a session also takes in its prompt at OpenSession (`StageModel.prefill`, while most sessions here are
+called): the Coordinator opens it beside the Verify session, so the two prefills overlap, and the first
+call does not stand, for the k policy, for what every round costs. The service says it extends ahead
+(`drafts_ahead`, and with each answer `ahead_forward_ms`), so the caller's adaptive k prices its rounds by
+what that hides.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from servicekit.process import process_info_pb
 from servicekit.session_service import SessionService
 from servicekit.tasks import cancel_and_wait
 from specmesh.cascade.stage_model import StageModel, StageSession
-from specmesh.decoding.ahead import AheadClock, moving_average
+from specmesh.decoding.ahead import AheadClock, moving_average, prefill_at_open
 from specmesh.decoding.sampling import make_generator
 from specmesh.decoding.verifier import validate_prompt
 from specmesh.proto.v1 import stage_pb2, stage_pb2_grpc
@@ -57,6 +62,7 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
         self._ahead_wakeup = asyncio.Event()
         self._ahead_task: asyncio.Task | None = None
         self._ahead_forward_ms: float | None = None  # a forward ahead (moving average)
+        self._sessions_called: float | None = None  # share of the closed sessions extending ahead that were called
         self._calls_running = 0  # VerifyAndExtend calls on their way to the engine thread or on it
         self._no_calls = asyncio.Event()
         self._no_calls.set()
@@ -66,7 +72,17 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
     def free_session(self, session: StageSession) -> None:
         self._ahead.pop(id(session), None)
         self._clocks.pop(id(session), None)
+        if self._extends_ahead(session):
+            self._sessions_called = moving_average(self._sessions_called, float(session.answered > 0))
         self.stage.close(session)
+
+    def _open(self, prompt: list[int], params, generator) -> StageSession:
+        """Engine thread: the session; extending ahead, its prompt prefilled now, beside the level above's
+        prefill, while sessions here are called (`specmesh.decoding.ahead.prefill_at_open`)."""
+        session = self.stage.open(prompt, params, generator)
+        if self._extends_ahead(session) and prefill_at_open(self._sessions_called):
+            self.stage.prefill(session)
+        return session
 
     def session_tokens(self, session: StageSession) -> int:
         return session.sequence.num_tokens
@@ -80,7 +96,7 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
         self.quotas.check_max_new_tokens(params.max_new_tokens)
         generator, seed = make_generator(params.seed, self.engine.device)
         async with self.admission(len(prompt) + 1):
-            session = await self.engine_thread.run(self.stage.open, prompt, params, generator)
+            session = await self.engine_thread.run(self._open, prompt, params, generator)
             session_id = await self.add_session(session)
         return stage_pb2.StageOpenSessionResponse(session_id=session_id, ttl_ms=self.sessions.ttl_ms, seed=seed,
                                                   ms_per_token=self.engine.stats.step_ms,

@@ -110,6 +110,12 @@ class StageModel:
     def close(self, session: StageSession) -> None:
         self.verifier.close(session.sequence)
 
+    def prefill(self, s: StageSession) -> None:
+        """Take in now what the first call would feed first: the prompt, all but its last token (a Stage service
+        extending ahead does this at open, beside the target's prefill, so its first call feeds a token or
+        two, as later ones do). The answers are those of a first call feeding it all at once (greedy)."""
+        self.verifier.prefill_chunk(s.sequence, s.sequence.num_uncached)
+
     def verify_and_extend(self, s: StageSession, accepted: Sequence[int], draft: Sequence[int],
                           q: torch.Tensor | None, num_extend: int, fill_to: int = 0) -> StageOutput:
         """`fill_to`: plain rounds go on until the proposal holds that many tokens (module docstring).

@@ -32,6 +32,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 AVERAGE_WEIGHT = 0.3  # the weight of the newest sample in the moving averages
+PREFILL_WHILE_DRAFTING = 0.5  # share of a service's closed sessions that drafted, above which it prefills prompts at open
+
+
+def prefill_at_open(share_drafting: float | None) -> bool:
+    """Whether a service that drafts ahead takes a new session's prompt in at open, beside the level above's
+    prefill (so its first call feeds a token or two): while most of its sessions draft (`share_drafting`, a
+    moving average over the closed ones; None: none closed yet). Under a load where no draft pays, a session is
+    never asked for a draft, and its prompt would be prefilled for nothing beside the target's forwards.
+
+    >>> prefill_at_open(None), prefill_at_open(0.8), prefill_at_open(0.1)
+    (True, True, False)
+    """
+    return share_drafting is None or share_drafting >= PREFILL_WHILE_DRAFTING
 
 
 def forward_pays(elapsed_ms: float, forward_ms: float | None, gap_ms: float | None, hit_rate: float | None = None) -> bool:

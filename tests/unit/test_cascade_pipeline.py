@@ -111,12 +111,14 @@ def test_a_filling_stage_drafts_what_the_lower_draft_did_not_give(engines):
 
 def test_a_stage_extending_ahead_answers_as_one_that_does_not(engines):
     """StageModel.extend_ahead: while the level above verifies, the stage runs plain rounds past its proposal;
-    a call whose confirmed tokens follow them is answered from them without a forward, any other call as
-    without them, and every answer (tokens, accepted count, features) is the one a stage that never
-    extends ahead gives."""
+    a call whose confirmed tokens follow them is answered from them without a forward (or with forwards for
+    what they do not reach), any other call as without them, and every answer (tokens, accepted count,
+    features) is the one a stage that never extends ahead, nor prefilled its prompt at open, gives."""
     own = generate(TargetVerifier(engines["stage"]), None, PROMPT, GREEDY).token_ids
     plain, ahead = StageModel(engines["stage"]), StageModel(engines["stage"])
     sessions = [model.open(PROMPT, GREEDY, torch.Generator().manual_seed(0)) for model in (plain, ahead)]
+    ahead.prefill(sessions[1])  # as a Stage service extending ahead does at open
+    assert sessions[1].sequence.num_cached == len(PROMPT) - 1
     calls = [  # (accepted, draft, m, fill_to, rounds ahead before the call, answered from them)
         ([], [own[0], own[1] + 1], 1, 4, 0, False),
         (own[:5], own[5:7] + [own[7] + 1], 1, 4, 6, True),  # proposal own[:4] + the guess own[4]: a hit
