@@ -26,7 +26,6 @@ forwards.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -38,6 +37,7 @@ import torch
 
 from draft_service.convert import propose_response
 from draft_service.options import DraftOptions
+from servicekit.ahead import AheadQueue
 from servicekit.auth import current_principal
 from servicekit.batching import WindowBatcher
 from servicekit.convert import (
@@ -55,7 +55,6 @@ from servicekit.metrics import ServiceMetrics
 from servicekit.process import process_info_pb
 from servicekit.rounds import RoundLog
 from servicekit.session_service import SessionService
-from servicekit.tasks import cancel_and_wait
 from specmesh.decoding.ahead import AheadClock, moving_average, prefill_at_open
 from specmesh.decoding.proposal import Drafter, DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
@@ -132,9 +131,6 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         self.max_context = max_context
         self.model_folder = model_folder
         self.draft_ahead = options.draft_ahead and isinstance(self.drafter, ModelDrafter)
-        self._ahead: dict[int, DraftSession] = {}  # id -> session with drafting ahead to do (module docstring)
-        self._ahead_wakeup: asyncio.Event | None = None
-        self._ahead_task: asyncio.Task | None = None
         self._ahead_forward_ms: float | None = None  # a forward ahead (moving average)
         self._sessions_drafting: float | None = None  # share of the closed sessions that drafted (moving average)
         self._kv_sources: dict[tuple, AttachedKV | None] = {}  # a Verify service's shared cache, mapped (None: refused)
@@ -146,6 +142,8 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             on_batch=lambda calls: metrics.batch_size.observe(len(calls)),
             on_queue_depth=metrics.queue_depth.set, expected_callers=lambda: self.num_sessions,
         )
+        # sessions with drafting ahead to do (module docstring), after the Propose calls
+        self.ahead = AheadQueue(self.engine_thread, self._ahead_step, self.batcher.wait_idle, "drafting ahead")
 
     def drafter_for(self, q_dtype: torch.dtype) -> Drafter:
         if q_dtype not in self._drafters:
@@ -164,8 +162,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         return session.num_tokens
 
     async def stop_batchers(self) -> None:
-        await cancel_and_wait(self._ahead_task)
-        self._ahead_task = None
+        await self.ahead.close()
         await self.batcher.close()
 
     # drafting ahead (module docstring)
@@ -173,32 +170,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         if not (self.draft_ahead and session.draft_ahead and k > 0):
             return
         session.ahead_depth, session.ahead_q_dtype = k, q_dtype
-        self._ahead[id(session)] = session
-        if self._ahead_task is None:
-            self._ahead_wakeup = asyncio.Event()
-            self._ahead_task = asyncio.get_running_loop().create_task(self._ahead_loop())
-        assert self._ahead_wakeup is not None
-        self._ahead_wakeup.set()
-
-    async def _ahead_loop(self) -> None:
-        assert self._ahead_wakeup is not None
-        while True:
-            await self._ahead_wakeup.wait()
-            self._ahead_wakeup.clear()
-            share = self.engine_thread.core_share  # busy between forwards ahead too (servicekit.core_share)
-            if share is not None and self._ahead:
-                share.hold(True)
-            try:
-                while self._ahead:
-                    await self.batcher.wait_idle()  # Propose calls first
-                    try:
-                        await self.engine_thread.run_unlent(self._ahead_step, list(self._ahead.values()))
-                    except Exception:  # noqa: BLE001 - drafting ahead is an optimisation: stop it, serve on demand
-                        log.exception("drafting ahead failed; the sessions queued for it draft on demand")
-                        self._ahead.clear()
-            finally:
-                if share is not None:
-                    share.hold(False)
+        self.ahead.add(id(session), session)
 
     def _ahead_step(self, sessions: Sequence[DraftSession]) -> None:
         """Engine thread: one forward per q dtype for the sessions with drafting ahead left to do; the
@@ -207,7 +179,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
         for session in sessions:
             drafter = self.drafter_for(session.ahead_q_dtype)
             if session.closed or not drafter.wants_ahead(session.state, session.ahead_depth) or self._due(session, now):
-                self._ahead.pop(id(session), None)
+                self.ahead.discard(id(session))
             else:
                 live.append(session)
         live.sort(key=lambda session: str(session.ahead_q_dtype))
@@ -220,7 +192,7 @@ class DraftServicer(SessionService, draft_pb2_grpc.DraftServiceServicer):
             except Exception:  # noqa: BLE001 - e.g. the KV pool is full: these sessions draft on demand
                 for member in members:
                     drafter.drop_ahead(member.state, member.generator)
-                    self._ahead.pop(id(member), None)
+                    self.ahead.discard(id(member))
         if live:
             self._ahead_forward_ms = moving_average(self._ahead_forward_ms, (time.perf_counter() - now) * 1e3 / len(
                 {str(session.ahead_q_dtype) for session in live}))

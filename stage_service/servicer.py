@@ -17,10 +17,10 @@ what that hides.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Sequence
 
+from servicekit.ahead import AheadQueue
 from servicekit.convert import (
     DEFAULT_MAX_NEW_TOKENS,
     check_draft_has_q,
@@ -35,7 +35,6 @@ from servicekit.errors import rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.process import process_info_pb
 from servicekit.session_service import SessionService
-from servicekit.tasks import cancel_and_wait
 from specmesh.cascade.stage_model import StageModel, StageSession
 from specmesh.decoding.ahead import AheadClock, moving_average, prefill_at_open
 from specmesh.decoding.sampling import make_generator
@@ -43,8 +42,6 @@ from specmesh.decoding.verifier import validate_prompt
 from specmesh.proto.v1 import stage_pb2, stage_pb2_grpc
 from stage_service.convert import verify_and_extend_response
 from stage_service.options import StageOptions
-
-log = logging.getLogger(__name__)
 
 
 class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
@@ -57,20 +54,19 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
         self.stage = StageModel(engine)
         metrics.watch_kv(engine.kv_usage)
         # extending ahead (module docstring)
-        self._ahead: dict[int, tuple[StageSession, int]] = {}  # id -> (session, tokens past its answer to reach)
         self._clocks: dict[int, AheadClock] = {}  # id -> its calls' timing and guesses
-        self._ahead_wakeup = asyncio.Event()
-        self._ahead_task: asyncio.Task | None = None
         self._ahead_forward_ms: float | None = None  # a forward ahead (moving average)
         self._sessions_called: float | None = None  # share of the closed sessions extending ahead that were called
         self._calls_running = 0  # VerifyAndExtend calls on their way to the engine thread or on it
         self._no_calls = asyncio.Event()
         self._no_calls.set()
+        # id -> (session, tokens past its answer to reach), after the VerifyAndExtend calls
+        self.ahead = AheadQueue(self.engine_thread, self._ahead_step, self._no_calls.wait, "extending ahead")
         if options.draft_ahead:
             metrics.watch_ahead(lambda: self.stage.ahead_served, lambda: self.stage.ahead_dropped)
 
     def free_session(self, session: StageSession) -> None:
-        self._ahead.pop(id(session), None)
+        self.ahead.discard(id(session))
         self._clocks.pop(id(session), None)
         if self._extends_ahead(session):
             self._sessions_called = moving_average(self._sessions_called, float(session.answered > 0))
@@ -139,27 +135,11 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
 
     # extending ahead (module docstring)
     def _extends_ahead(self, session: StageSession) -> bool:
-        return self.options.draft_ahead and session.sequence.params.is_greedy and session.sequence.constraint is None
+        return self.options.draft_ahead and self.stage.extends_ahead(session)
 
     def _want_ahead(self, session: StageSession, depth: int) -> None:
-        if not (self.options.draft_ahead and self.stage.wants_ahead(session, depth)):
-            return
-        self._ahead[id(session)] = (session, depth)
-        if self._ahead_task is None:
-            self._ahead_task = asyncio.get_running_loop().create_task(self._ahead_loop())
-        self._ahead_wakeup.set()
-
-    async def _ahead_loop(self) -> None:
-        while True:
-            await self._ahead_wakeup.wait()
-            self._ahead_wakeup.clear()
-            while self._ahead:
-                await self._no_calls.wait()  # VerifyAndExtend calls first
-                try:
-                    await self.engine_thread.run_unlent(self._ahead_step, list(self._ahead.values()))
-                except Exception:  # noqa: BLE001 - extending ahead is an optimisation: stop it, serve on demand
-                    log.exception("extending ahead failed; the sessions queued for it run their calls on demand")
-                    self._ahead.clear()
+        if self.options.draft_ahead and self.stage.wants_ahead(session, depth):
+            self.ahead.add(id(session), (session, depth))
 
     def _ahead_step(self, queued: Sequence[tuple[StageSession, int]]) -> None:
         """Engine thread: one forward for the queued sessions with a round ahead left that pays; the others
@@ -169,7 +149,7 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
             clock = self._clocks.get(id(session))
             if (clock is None or not self.stage.wants_ahead(session, depth)
                     or clock.due(now, self._ahead_forward_ms, guessed=bool(session.ahead_logits))):
-                self._ahead.pop(id(session), None)
+                self.ahead.discard(id(session))
             else:
                 live.append(session)
         if live:
@@ -177,8 +157,7 @@ class StageServicer(SessionService, stage_pb2_grpc.StageServiceServicer):
             self._ahead_forward_ms = moving_average(self._ahead_forward_ms, (time.perf_counter() - now) * 1e3)
 
     async def stop_batchers(self) -> None:
-        await cancel_and_wait(self._ahead_task)
-        self._ahead_task = None
+        await self.ahead.close()
 
     @rpc_method
     async def CloseSession(self, request, context) -> stage_pb2.StageCloseSessionResponse:

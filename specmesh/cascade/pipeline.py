@@ -340,7 +340,7 @@ class AsyncCascadeDrafter:
             return None
         stage, session = top
         said = stage.ahead_forward_ms(session)
-        return said if said is not None else getattr(stage, "opened_ms_per_token", lambda s: None)(session)
+        return said if said is not None else self.stages[-1].opened_ms_per_token(session)
 
     async def propose(self, state: CascadeState, accepted_since_last: Sequence[int], max_tokens: int) -> DraftProposal:
         proposal = await self._propose(state, accepted_since_last, max_tokens)

@@ -154,10 +154,14 @@ class StageModel:
         return StageOutput(num_accepted, tokens, p, features)
 
     # extending ahead (module docstring)
+    @staticmethod
+    def extends_ahead(s: StageSession) -> bool:
+        """Whether the session may extend ahead at all: greedy and unconstrained (module docstring)."""
+        return s.sequence.params.is_greedy and s.sequence.constraint is None
+
     def wants_ahead(self, s: StageSession, depth: int) -> bool:
         """Whether `extend_ahead` has a round to run for this session, `depth` tokens past the last answer."""
-        params = s.sequence.params
-        return (s.answered > 0 and params.is_greedy and s.sequence.constraint is None and len(s.ahead_logits) < depth
+        return (s.answered > 0 and self.extends_ahead(s) and len(s.ahead_logits) < depth
                 and s.sequence.num_tokens + 1 < self.engine.max_context)
 
     def extend_ahead(self, sessions: Sequence[StageSession]) -> None:
