@@ -125,12 +125,9 @@ def wait_settled(kind: str, address: str, deadline_s: float, tls_cert: str = "")
     after start, in the gaps between requests: a request that came meanwhile would share the cores
     with that timing, and be priced by figures from the load). True once settled; False when the
     deadline passed first, or GetInfo failed (credentials this launcher lacks; the cluster serves either way)."""
-    from specmesh.proto.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc, verify_pb2, verify_pb2_grpc
+    from client.health import MODEL_INFO_CALLS
 
-    stubs = {"draft": (draft_pb2_grpc.DraftServiceStub, draft_pb2.DraftGetInfoRequest),
-             "verify": (verify_pb2_grpc.VerifyServiceStub, verify_pb2.VerifyGetInfoRequest),
-             "stage": (stage_pb2_grpc.StageServiceStub, stage_pb2.StageGetInfoRequest)}
-    stub_type, request = stubs[kind]
+    stub_type, request = MODEL_INFO_CALLS[kind]
     with open_channel(address, tls_ca=tls_cert, aio=False) as channel:
         stub = stub_type(channel)
         while time.monotonic() < deadline_s:

@@ -75,16 +75,22 @@ def _model_details(model, kv=None) -> dict[str, object]:
     return details
 
 
+# a model service's GetInfo, by kind: (stub, request)
+MODEL_INFO_CALLS = {"verify": (verify_pb2_grpc.VerifyServiceStub, verify_pb2.VerifyGetInfoRequest),
+                    "draft": (draft_pb2_grpc.DraftServiceStub, draft_pb2.DraftGetInfoRequest),
+                    "stage": (stage_pb2_grpc.StageServiceStub, stage_pb2.StageGetInfoRequest)}
+
+
 async def _info(channel, kind: str) -> dict[str, object]:
-    if kind == "verify":
-        v = await verify_pb2_grpc.VerifyServiceStub(channel).GetInfo(verify_pb2.VerifyGetInfoRequest(), timeout=TIMEOUT_S)
-        return {**_model_details(v.model, v.kv), "fused drafter": v.fused_drafter or "none", **_process_details(v.process)}
-    if kind == "draft":
-        d = await draft_pb2_grpc.DraftServiceStub(channel).GetInfo(draft_pb2.DraftGetInfoRequest(), timeout=TIMEOUT_S)
-        return {"drafter": d.drafter, **_model_details(d.model, d.kv), **_process_details(d.process)}
-    if kind == "stage":
-        s = await stage_pb2_grpc.StageServiceStub(channel).GetInfo(stage_pb2.StageGetInfoRequest(), timeout=TIMEOUT_S)
-        return {**_model_details(s.model, s.kv), **_process_details(s.process)}
+    if kind in MODEL_INFO_CALLS:
+        stub, request = MODEL_INFO_CALLS[kind]
+        info = await stub(channel).GetInfo(request(), timeout=TIMEOUT_S)
+        details = _model_details(info.model, info.kv)
+        if kind == "verify":
+            details["fused drafter"] = info.fused_drafter or "none"
+        if kind == "draft":
+            details = {"drafter": info.drafter, **details}
+        return {**details, **_process_details(info.process)}
     if kind == "coordinator":
         c = await coordinator_pb2_grpc.CoordinatorServiceStub(channel).GetStats(coordinator_pb2.GetStatsRequest(),
                                                                                timeout=TIMEOUT_S)
