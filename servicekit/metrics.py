@@ -54,6 +54,14 @@ class ServiceMetrics:
         Gauge(p + "ahead_served_tokens", "tokens drafted ahead that became a proposal's", **labels).set_function(served)
         Gauge(p + "ahead_dropped_tokens", "tokens drafted ahead that the verdict made useless", **labels).set_function(dropped)
 
+    def watch_core_share(self, share: Any) -> None:
+        """Report a process's engine jobs on the launcher's core board (`servicekit.core_share.CoreShare`):
+        how many ran, and how many of them ran on cores lent by another process as well."""
+        p, labels = "specmesh_", dict(registry=self.registry)
+        Gauge(p + "engine_jobs", "engine jobs run under the core board", **labels).set_function(lambda: share.num_jobs)
+        Gauge(p + "engine_jobs_lent", "engine jobs that also ran on another process's lent cores",
+              **labels).set_function(lambda: share.num_borrowed_jobs)
+
     def watch_kv_taken(self, taken: Callable[[], int]) -> None:
         """Report the context tokens a Draft service copied from a Verify service's shared cache instead of feeding them."""
         Gauge("specmesh_kv_taken_tokens", "context tokens whose KV was copied from the target's shared cache, not fed",

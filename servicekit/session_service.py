@@ -45,6 +45,8 @@ class SessionService:
                  engine_thread: EngineThread | None = None):
         self.metrics = metrics
         self.engine_thread = engine_thread or EngineThread(f"{name}-engine")
+        if self.engine_thread.core_share is not None:
+            metrics.watch_core_share(self.engine_thread.core_share)
         self.sessions = SessionTable(session_ttl_s, self._close_session, on_expire=metrics.expired_sessions.inc)
         self.quotas = Quotas(quotas or QuotaOptions())
         self._reserved: defaultdict[str, Holdings] = defaultdict(Holdings)  # admitted, not yet added
