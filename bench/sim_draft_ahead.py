@@ -56,12 +56,14 @@ def main() -> None:
              "H100 CUDA-graph measurements, acceptance assumed, k = 4, 128-token prompts, 256-token answers, closed loop; "
              "one seeded run of 120 virtual s per point. Ratios against the draft on its own H100 without drafting ahead, "
              "and against plain decoding, in the same setting.", "",
-             "Plain decoding is priced here as the simulator drives every request: one round trip through the Coordinator "
-             "per round. Live, a target-only request runs back to back on the Verify service (`Generate`, or a `Run` "
-             "of plain rounds) with its steps launched ahead of the host: on an H100 the 8B shape decodes at 156.6-158.6 "
-             "tok/s in-process and the Verify service keeps 0.94-0.99x of that on the 1B "
-             "(gpu-nvidia-h100-80gb-hbm3-ahead-*.md), against 139 here. The ratios against plain decoding below are "
-             "high by about that much (roughly 10%).", ""]
+             "Who steps the rounds is the live Coordinator's plan: plain decoding and fused mode run as one `Run` per "
+             "request, the Verify service stepping the rounds back to back and streaming them (every 50 ms); with the "
+             "draft on its own H100, a round trip through the Coordinator per round (client rounds). Plain decoding of "
+             "one session comes out at 154 tok/s, against 156.6-158.6 tok/s in-process on an H100 for the 8B shape and "
+             "0.94-0.99x of in-process through the Verify service (gpu-nvidia-h100-80gb-hbm3-ahead-*.md). Until "
+             "2026-11-29 the simulator priced these as client rounds too (139 tok/s, 1,004 at 16 clients): the ratios "
+             "against plain decoding read about 10% high at one client and 2x high at 16, where the round trips "
+             "split the Verify batches.", ""]
     for acceptance_name in ACCEPTANCE:
         for clients in CLIENTS:
             group = [r for r in rows if r["acceptance"] == acceptance_name and r["clients"] == clients]

@@ -19,6 +19,11 @@ One request, as the Coordinator runs it (coordinator/driver.py over specmesh.dec
       the call joins the batcher's queue;
     autoregressive: k = 0, a one-token call joins the queue;
   the acceptance model draws n accepted; n + 1 tokens go back to the client;
+  fused and autoregressive requests under the Coordinator's `server_rounds` (the config's, on by
+  default) run as one Run instead (`Plan.server_steps`): its request goes down once, the rounds follow
+  each other on the service (each still a job of the hosted drafter and a call in the batcher's queue),
+  and their tokens go up in the stream's messages (`RunStream`: at most one per stream_interval_ms),
+  handled by the coordinator while the service steps on;
   at the end the session leaves the target (no longer an expected caller) and the routers hear
   `finish(latency, tokens)` (weighted JSQ learns capacity from it).
 Each service's forwards run on its own device, or on a shared host's cores (`hosts` in the config,
@@ -29,7 +34,8 @@ each message a process handles is a job on its one thread (FIFO), on a host's co
 forwards. The coordinator handles, per request: the Generate request, Draft.OpenSession (request and
 response), Verify.OpenSession (both), the first token out; per round: Propose (both; not when k = 0),
 Verify (both), the round's tokens out; at the end: Draft and Verify CloseSession (both each): 10 + 5
-per round in distributed mode, 6 + 3 per round in the others (no Draft). The tokens out are sent while the
+per round in distributed mode, 6 + 3 per round in the others (no Draft), or in a Run 7 + 2 per
+message of its stream. The tokens out are sent while the
 session goes on (the live Coordinator reads ahead); the client process handles the request it sends
 and each response it receives (2 + 1 per round), and a token counts as delivered once it has.
 The Draft and Verify services' CPU outside their forwards (`cpu_ms_per_call` per group, off by
@@ -56,6 +62,7 @@ import simpy
 
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.ahead import AheadClock
+from specmesh.decoding.plan import choose_plan
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.state import SpeculationState
 from specmesh.routing.registry import make_router
@@ -92,6 +99,9 @@ def build_cost(config: SimConfig, device: str, role: str) -> CostModel:
     if model is None:
         raise ValueError(f"device {device!r}: a roofline needs models.{role} or a `model:` of its own")
     return RooflineCost(model_dims(model), device_spec(spec["roofline"]))
+
+
+PLAN_MODES = {"distributed": "speculative", "fused": "fused", "autoregressive": "autoregressive"}  # sim mode -> Coordinator mode
 
 
 def round_state(num_prompt: int, max_new_tokens: int, k: int) -> SpeculationState:
@@ -209,6 +219,36 @@ class AheadBatcher:
                     run.forwards += 1
 
 
+class RunStream:
+    """The messages of one Run (a `Plan.server_steps` plan: the service steps the rounds and streams
+    them): a round's tokens are written at once when they are the stream's first or last, else once
+    `stream_interval_ms` has passed since the last message (the rounds in between join it), as the
+    Verify service's `read_ahead` does; each message costs the service's RPC thread, crosses the link
+    and is handled by the coordinator, which sends its tokens to the client, while the service steps on."""
+
+    def __init__(self, sim: Simulation, record: RequestRecord, link: NetLink, rpc: Process | None, max_new_tokens: int):
+        self.sim, self.record, self.link, self.rpc = sim, record, link, rpc
+        self.interval_s = sim.config.stream_interval_ms / 1e3
+        self.last_sent_s: float | None = None
+        self.pending = 0
+        self.last: simpy.Process | None = None  # the latest message's: (coordinator done, delivery)
+
+    def add(self, num_tokens: int, finished: bool) -> None:
+        env = self.sim.env
+        self.pending += num_tokens
+        if finished or self.last_sent_s is None or env.now - self.last_sent_s >= self.interval_s:
+            self.last = env.process(self._message(self.pending, finished))
+            self.pending, self.last_sent_s = 0, env.now
+
+    def _message(self, num_tokens: int, finished: bool):
+        sim = self.sim
+        num_bytes = sim._overhead + sim._bytes_per_token * num_tokens
+        yield from sim._handle(self.rpc, sim.env.now, 1)  # the service writes it
+        t = self.link.send_up(sim.env.now, num_bytes)
+        t = yield from sim._handle(sim.coordinator, t, 1)
+        return t, sim._to_client(self.record, t, num_tokens, num_bytes, False, finished)
+
+
 class Simulation:
     def __init__(self, config: SimConfig):
         self.config = config
@@ -224,6 +264,10 @@ class Simulation:
         self._bytes_per_token = net.bytes_per_token
         self._client_latency_s = net.client.latency_ms / 1e3
         self._client_s_per_byte = 8.0 / (net.client.bandwidth_mbps * 1e6) if net.client.bandwidth_mbps > 0 else 0.0
+        # the live Coordinator's plan for this mode (`specmesh.decoding.plan`): who steps the rounds
+        self.plan = choose_plan(PLAN_MODES[config.mode], drafter=config.mode != "autoregressive",
+                                server_rounds=config.server_rounds)
+        self.server_steps = self.plan.server_steps
 
         self.hosts: dict[str, Host] = {}
         self.rpc_threads: dict[str, Process] = {}  # service name -> its RPC thread, where its CPU per call is modelled
@@ -463,6 +507,12 @@ class Simulation:
         rounds = round_state(num_prompt, max_new_tokens, k_max)
         ahead = AheadRun(self._ahead_batcher(draft)) if self.draft_ahead and draft is not None else None
         last_hit = False  # the last round accepted every draft and the drafter's guess
+        stepped = self.server_steps and not rounds.finished  # one Run: the service steps every round itself
+        if stepped:  # the Run request goes out once; rounds then follow each other on the service
+            t = yield from self._handle(coordinator, t, 1)
+            yield env.timeout(link.send_down(t, overhead) - env.now)
+            yield from self._handle(target_rpc, env.now, 1)
+        stream = RunStream(self, record, link, target_rpc, max_new_tokens) if stepped else None
         while not rounds.finished:
             k = rounds.next_k()
             context = num_prompt + generated
@@ -482,9 +532,10 @@ class Simulation:
                 if ahead is not None:
                     ahead.start(env, k, context + k + 1)
                 num_handled = 2  # and the Propose response
-            t = yield from self._handle(coordinator, t, num_handled)
-            yield env.timeout(link.send_down(t, overhead + (per_token + q_bytes) * k) - env.now)
-            yield from self._handle(target_rpc, env.now, 1)  # the Verify (Step) call at the service
+            if not stepped:
+                t = yield from self._handle(coordinator, t, num_handled)
+                yield env.timeout(link.send_down(t, overhead + (per_token + q_bytes) * k) - env.now)
+                yield from self._handle(target_rpc, env.now, 1)  # the Verify (Step) call at the service
             if mode == "fused" and k > 0:
                 draft_ms = k * fused_ms_per_token
                 if fused_cost is not None:
@@ -510,9 +561,14 @@ class Simulation:
             record.num_rounds += 1
             record.num_draft_tokens += k
             record.num_accepted_tokens += num_accepted
+            if stream is not None:  # written to the stream while the service steps on
+                stream.add(new_input, generated >= max_new_tokens)
+                continue
             t = link.send_up(env.now, overhead + per_token * new_input)
             t = yield from self._handle(coordinator, t, 1)  # the Verify response
             delivery = self._to_client(record, t, new_input, overhead + per_token * new_input, False, generated >= max_new_tokens)
+        if stream is not None:  # the coordinator has the stream's last message
+            t, delivery = yield stream.last
         server.num_sessions -= 1
         if ahead is not None:
             ahead.stopped = True

@@ -10,6 +10,12 @@ groups and how sessions find one); `hosts` (machines shared by several services:
 `speculation` (k, acceptance); `workload`; `slo`.
 Unknown keys are errors, so a typo does not silently fall back to a default.
 
+Who steps the rounds is the live Coordinator's plan (`specmesh.decoding.plan.choose_plan`): with
+`server_rounds` (true, as the Coordinator ships) a fused or autoregressive request is one Run, the
+Verify service stepping its rounds back to back and streaming them at most every `stream_interval_ms`;
+without, a Step / Verify call per round goes through the Coordinator. Distributed requests are client
+rounds either way.
+
 Hosts: a target or draft group with `host: NAME` (count 1: one process) runs on that machine's
 cores, shared with the other services naming it; its `threads` (torch threads, 1 by default: the
 setting its cost table was profiled with) are the cores one of its forwards asks for. Forwards run
@@ -175,6 +181,10 @@ class SimConfig:
     speculation: Speculation = field(default_factory=Speculation)
     workload: Workload = field(default_factory=Workload)
     slo: Slo = field(default_factory=Slo)
+    # the Coordinator's `server_rounds`: fused and autoregressive requests run as one Run, the Verify service
+    # stepping every round and streaming them (`specmesh.decoding.plan`); False: a Step / Verify call per round
+    server_rounds: bool = True
+    stream_interval_ms: float = 50.0  # a Run's messages at most this often (its first and last at once)
     base_dir: str = "."  # table and trace paths are relative to the config file
 
     def host_cores(self, host: str) -> int:
@@ -197,6 +207,8 @@ class SimConfig:
             raise ValueError("targets: at least one group, each with count >= 1")
         if self.mode == "distributed" and (not self.drafts or any(g.count < 1 for g in self.drafts)):
             raise ValueError("distributed mode needs draft groups, each with count >= 1")
+        if self.stream_interval_ms < 0:
+            raise ValueError(f"stream_interval_ms must be >= 0, got {self.stream_interval_ms}")
         if self.speculation.k < 0:
             raise ValueError(f"speculation.k must be >= 0, got {self.speculation.k}")
         if any(not 0 <= p <= 1 for p in self.speculation.acceptance + self.speculation.acceptance_marginal):

@@ -9,7 +9,7 @@ import pytest
 from specmesh.decoding.adaptive import FixedK
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.state import SpeculationState
-from specmesh.sim import config_from_dict, simulate
+from specmesh.sim import Simulation, config_from_dict, simulate
 
 ZERO_NETWORK = {"same_node": {"latency_ms": 0}, "cross_node": {"latency_ms": 0}, "client": {"latency_ms": 0}}
 
@@ -541,3 +541,42 @@ def test_a_draft_sharing_the_targets_kv_feeds_one_token_a_propose():
     fed, shared = one(False), one(True)
     assert (shared.num_rounds, shared.num_output_tokens) == (fed.num_rounds, 21) == (5, 21)
     assert (fed.e2e_s - shared.e2e_s) * 1e3 == pytest.approx(10.0 + 4 * 1.0, abs=1e-6)
+
+
+def stepped_request(server_rounds: bool, **overrides):
+    """One plain request of 5 tokens, target forward 10 ms, 1 ms each way between the coordinator and
+    the Verify service."""
+    return simulate(config_from_dict(base_config(
+        mode="autoregressive", duration_s=1, burn_in_s=0, server_rounds=server_rounds,
+        network={**ZERO_NETWORK, "same_node": {"latency_ms": 1.0}},
+        workload={"arrival": "trace", "trace": [{"arrival_s": 0.0, "prompt_tokens": 8, "output_tokens": 5}]}, **overrides)))
+
+
+def test_a_run_steps_the_rounds_on_the_service():
+    """The Coordinator's plan for a plain request (`choose_plan`): with `server_rounds`, one Run whose
+    rounds follow each other on the Verify service, without, a Verify call per round through the
+    Coordinator. Both: OpenSession down [0, 1], prefill [1, 11], the first token up [11, 12] (TTFT).
+    Rounds through the Coordinator: down 1 + verify 10 + up 1 each: 24, 36, 48, 60; CloseSession down
+    and up: the stream ends at 62. One Run: its request down [12, 13], the rounds back to back: 23, 33,
+    43, 53; the first round's token is written at once (up at 24), the next two join the last message
+    (50 ms apart at most: they came 10 and 20 ms after it), which is up at 54; CloseSession: 56."""
+    from specmesh.decoding.plan import Plan
+
+    rounds, run = stepped_request(False), stepped_request(True)
+    assert (rounds.requests[0].ttft_s, run.requests[0].ttft_s) == (pytest.approx(0.012), pytest.approx(0.012))
+    assert (rounds.requests[0].end_s, run.requests[0].end_s) == (pytest.approx(0.062), pytest.approx(0.056))
+    assert [r.num_rounds for r in (rounds.requests[0], run.requests[0])] == [4, 4]
+    assert Simulation(config_from_dict(base_config(mode="autoregressive"))).plan is Plan.SERVER_RUN
+    assert Simulation(config_from_dict(base_config(mode="fused"))).plan is Plan.FUSED_RUN
+    assert Simulation(config_from_dict(base_config(mode="fused", server_rounds=False))).plan is Plan.FUSED_STEP
+
+
+def test_a_runs_messages_cost_the_coordinator_once_per_interval():
+    """With the coordinator's CPU modelled (1 ms a message, a core of its own), a Run's rounds are not
+    slowed by it (they go on while the coordinator handles the stream), and it handles fewer messages
+    the longer the stream interval: every round's (interval 0) against the first and the last (50 ms)."""
+    every = stepped_request(True, stream_interval_ms=0, coordinator={"cpu_ms_per_message": 1.0})
+    joined = stepped_request(True, coordinator={"cpu_ms_per_message": 1.0})
+    count = [r.summary["processes"]["coordinator"]["num_messages"] for r in (every, joined)]
+    assert count[0] - count[1] == 4  # rounds 2 and 3 joined the last message: two fewer in, two fewer out
+    assert every.requests[0].end_s == pytest.approx(joined.requests[0].end_s)  # the last round ends at the same time
