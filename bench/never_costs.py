@@ -8,7 +8,9 @@ time including the prefill, one process, the machine's threads. The prompts are
 bench/prompts/held_out.json, a set kept apart for this bench (its "about" says so). Per target:
     fp32 target      plain | n-gram drafts (prompt lookup) | bf16 self-draft | int8 self-draft (dynamic) | q4_1 self-draft
     Q4_1 target      plain | n-gram drafts                  (the GGUF's own blocks, quantize="gguf")
-every speculative method with the adaptive k policy and the draft gate, as a user's request runs, and
+every speculative method with the adaptive k policy and the draft gate, as a user's request runs (a
+self-draft's policy starting from the acceptance of the requests before it, as in-process generation
+and the Verify service's hosted drafters remember it; since 2026-11-29), and
 plain decoding a second time (A/A): its ratio to the first is the bench's own noise.
 --interleave rounds (the default): a prompt's requests on one target run together, one event (the
 prefill, or a round: drafting, verifying, closing) of each in turn, and each request's time is the sum
@@ -38,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine import cpu_model  # noqa: E402
-from specmesh.decoding.adaptive import AdaptiveK  # noqa: E402
+from specmesh.decoding.adaptive import AcceptanceMemory, AdaptiveK  # noqa: E402
 from specmesh.decoding.sampling import SamplingParams  # noqa: E402
 from specmesh.decoding.speculative import generate, speculative_stream  # noqa: E402
 from specmesh.decoding.state import StepEvent  # noqa: E402
@@ -95,6 +97,7 @@ def main() -> int:
         "fp32 plain, again (A/A)": ("fp32", None),  # plain against itself: the bench's own noise
         "fp32 n-gram": ("fp32", lambda: PromptLookupDrafter(min_n=1, max_n=4)),
         "fp32 bf16 self-draft": ("fp32", lambda: self_draft(bf16, fp32)),
+        "fp32 bf16 self-draft, no memory": ("fp32", lambda: self_draft(bf16, fp32)),  # each request from the prior, as before
         "fp32 int8 self-draft": ("fp32", lambda: self_draft(int8, fp32)),
         "fp32 q4_1 self-draft": ("fp32", lambda: self_draft(q4_1, fp32)),
         "Q4_1 plain": ("Q4_1", None),
@@ -102,9 +105,12 @@ def main() -> int:
     }
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
+    # as a user's process runs them (client.local.LocalGenerator): a self-draft's adaptive k starts from the acceptance
+    # of the requests before (AcceptanceMemory, one per method); an n-gram lookup's from the prior
+    memories = {name: AcceptanceMemory() for name in methods if "self-draft" in name and "no memory" not in name}
     for target, make in methods.values():  # warm-up: kernels, the fast path's build, first-call costs
         generate(targets[target], make() if make else None, ids[0], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True),
-                 k_policy=AdaptiveK() if make else None)
+                 k_policy=AdaptiveK() if make else None)  # (not remembered: the runs start from the prior)
 
     q4_params = SamplingParams(temperature=0.0, max_new_tokens=args.q4_tokens, ignore_eos=True)
     runs: list[dict] = []
@@ -114,7 +120,7 @@ def main() -> int:
             order = order if (run + index) % 2 == 0 else order[::-1]
             streams = {name: speculative_stream(targets[methods[name][0]], methods[name][1]() if methods[name][1] else None,
                                                 prompt_ids, q4_params if methods[name][0] == "Q4_1" else params,
-                                                k_policy=AdaptiveK() if methods[name][1] else None)
+                                                k_policy=AdaptiveK(memory=memories.get(name)) if methods[name][1] else None)
                        for name in order}
             if args.interleave == "rounds":  # each target's methods together: one engine's weights in use at a time
                 timed = {name: result for target in dict.fromkeys(methods[n][0] for n in order)

@@ -138,6 +138,45 @@ def test_greedy_through_the_coordinator_equals_target_only(cluster, target, toke
     assert last.stats.plan == plan  # the plan chosen (specmesh.decoding.plan), named in the final stats
 
 
+def test_the_verify_services_hosted_model_drafter_remembers_its_acceptance_across_sessions(cluster, target, tokenizer):
+    """A request whose model drafts run on the Verify service (fused, adaptive k) leaves the hosted drafter's
+    acceptance behind (`AcceptanceMemory`, greedy and sampled apart), and the next greedy session's policy starts
+    from it; a fused n-gram session remembers nothing (its acceptance is the prompt's). Tokens unchanged."""
+    from specmesh.decoding.adaptive import AdaptiveK
+
+    servicer = cluster.verify[0].servicer
+    expected = _reference(target, tokenizer, PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=40))
+    seen: list[AdaptiveK] = []
+    fused_round = servicer._fused_round
+
+    async def recording(session_id, session, *args, **kwargs):
+        response = await fused_round(session_id, session, *args, **kwargs)
+        if session.fused is not None and session.fused.name == "model" and session.round.k_policy not in seen:
+            seen.append(session.round.k_policy)
+        return response
+
+    servicer._fused_round = recording
+    try:
+        for k in (4, 0):  # a fixed k drafts every round (the policy still hears them); then the adaptive k
+            tokens, last = _run(_collect(cluster.address_for("model-verify"), _request(PROMPT, "speculative", "service", k)))
+            assert tokens == expected and last.stats.drafter == "model@verify"
+        tokens, _ = _run(_collect(cluster.address_for("model-verify"), _request(PROMPT, "speculative", "ngram", 0)))
+        assert tokens == expected
+    finally:
+        servicer._fused_round = fused_round
+    memory = servicer._acceptance.get(("model", True))
+    assert len(seen) == 2 and all(p.memory is memory for p in seen) and memory is not None
+    assert memory.acceptance is not None and seen[1]._seeded
+    assert ("ngram", True) not in servicer._acceptance
+    # client rounds drafted by the Draft service keep theirs in the Coordinator, per drafter; n-gram drafts made
+    # in the Coordinator none
+    coordinator = cluster.ngram_here.servicer
+    for drafter in ("service", "ngram"):
+        tokens, last = _run(_collect(cluster.ngram_here_address, _request(PROMPT, "speculative", drafter, 0)))
+        assert tokens == expected
+    assert list(coordinator.acceptance) == [("service", "", True)]
+
+
 def test_a_verify_service_hosting_two_drafters_drafts_with_the_one_named(cluster, tokenizer):
     """GetInfo lists both hosted drafters; a Step names one (a session keeps it: another name is
     FAILED_PRECONDITION); a name not hosted is INVALID_ARGUMENT."""

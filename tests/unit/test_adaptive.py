@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from specmesh.decoding.adaptive import AdaptiveK, FixedK, ForwardCost, LinearCostFit, Outlook, expected_tokens
+from specmesh.decoding.adaptive import AcceptanceMemory, AdaptiveK, FixedK, ForwardCost, LinearCostFit, Outlook, expected_tokens
 from specmesh.decoding.stats import SpecStats
 
 
@@ -445,3 +445,62 @@ def test_a_probe_chosen_inside_a_plain_run_is_made_after_it():
         assert policy.next_k() == probe
         policy.update(0, 0, draft_ms=0.0, verify_ms=20.0)  # the drafter had nothing: the probe is made all the same
         assert policy.next_k() == 0
+
+
+def _request_ks(policy: AdaptiveK, draft_ms: float, decode_ms: float, beta: float, accepted, rounds: int = 30) -> list[int]:
+    """One request's k choices at these costs, `accepted(k)` of each round's drafts accepted."""
+    policy.prior_costs(draft_ms_per_token=draft_ms, decode_ms=decode_ms)
+    ks = []
+    for _ in range(rounds):
+        k = policy.next_k()
+        ks.append(k)
+        if k:
+            policy.refresh_draft_cost(draft_ms)
+        policy.update(k, accepted(k), draft_ms=draft_ms * k, verify_ms=decode_ms * (1 + beta * k))
+    return ks
+
+
+def test_a_remembered_acceptance_opens_a_marginal_drafter_and_ramps_its_first_rounds():
+    """A bf16 self-draft at 0.66 of the target's step (verify forwards growing 9.3% a token; perfect drafts
+    save 23% of a step, below `min_gain`), accepted 95-98% (the demo's chat prompt, 2026-11-29): each request
+    alone probes once and decodes plainly, where a fixed k of 8 ran 1.13x faster. Requests that start from
+    the acceptance of the earlier ones (`AcceptanceMemory`) draft once it says the best k is modelled
+    `min_measured_gain` faster than plain decoding; their first round drafts k_init at most, then k at most
+    doubles. Without the memory every request stays plain."""
+    memory = AcceptanceMemory()
+    requests = [_request_ks(AdaptiveK(beta=0.093, memory=memory), 8.66, 13.0, 0.093, lambda k: k) for _ in range(4)]
+    assert [sum(k > 0 for k in ks) for ks in requests[:2]] == [1, 1]  # a probe each: the memory not yet convincing
+    assert sum(k > 0 for k in requests[3]) == 30 and requests[3][:3] == [4, 8, 16]
+    alone = [_request_ks(AdaptiveK(beta=0.093), 8.66, 13.0, 0.093, lambda k: k) for _ in range(4)]
+    assert all(sum(k > 0 for k in ks) == 1 for ks in alone)
+
+
+def test_a_remembered_acceptance_keeps_a_drafter_off_whose_measured_gain_is_small():
+    """The gate's own case (test_a_drafter_whose_best_case_is_a_few_percent_is_not_run: 0.7 of the step,
+    verify forwards growing 14% a token), every draft accepted: at the acceptance its requests build up
+    the best k is modelled under `min_measured_gain` faster, and the gate stays shut from a request's start.
+    A drafter accepted half the time never drafts past the probes either."""
+    memory = AcceptanceMemory()
+    few_percent = [_request_ks(AdaptiveK(beta=0.14, memory=memory), 8.1, 11.6, 0.14, lambda k: k) for _ in range(4)]
+    assert all(sum(k > 0 for k in ks) <= 1 for ks in few_percent)
+    assert memory.acceptance is not None and memory.acceptance > 0.9
+    memory = AcceptanceMemory()
+    halves = [_request_ks(AdaptiveK(beta=0.093, memory=memory), 8.66, 13.0, 0.093, lambda k: k // 2) for _ in range(4)]
+    assert all(sum(k > 0 for k in ks) <= 1 for ks in halves) and memory.acceptance < 0.6
+
+
+def test_acceptance_memory_records_drafting_rounds_and_caps_its_weight():
+    """Only rounds that drafted are recorded; the verdicts the remembered estimate stands on are capped, so a
+    new request's rounds still move it: from 1.0 (8 trials), one rejection after 3 accepted brings it below 0.9."""
+    memory = AcceptanceMemory(max_trials=8.0)
+    assert not memory.seed(AdaptiveK())  # nothing remembered: the prior
+    policy = AdaptiveK(memory=memory)
+    policy.update(0, 0, draft_ms=0.0, verify_ms=10.0)
+    assert memory.acceptance is None
+    for _ in range(20):
+        policy.update(4, 4, draft_ms=4.0, verify_ms=10.0)
+    assert memory.acceptance == pytest.approx(1.0, abs=1e-3) and memory.trials == 8.0
+    seeded = AdaptiveK(memory=memory)
+    assert seeded.acceptance == memory.acceptance
+    seeded.update(4, 3, draft_ms=4.0, verify_ms=10.0)
+    assert seeded.acceptance < 0.9
