@@ -42,7 +42,7 @@ SOT_TOKENS_PER_BRANCH = 48
 TIMED_RUNS = 3  # runs timed per in-process line, speculative against plain decoding (medians)
 # pairs timed per line compared in-process vs through the cluster (the median pair's ratio): the pairs' ratios
 # spread 0.96-1.34x within one demo on a shared 2-core VM, so three left the printed figure to one pair; with five the
-# passage line's median read 0.91x-1.22x over ten demos on one day (2026-11-29), so nine
+# passage line's median read 0.91x-1.22x over nine demos on one day (2026-11-29), so nine
 CLUSTER_PAIRS = 9
 
 
