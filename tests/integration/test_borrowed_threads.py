@@ -138,8 +138,11 @@ def test_with_a_core_board_forwards_borrow_while_the_lender_runs_nothing(tiny_mo
         threads = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
         share, registry = servicer.engine_thread.core_share, servicer.metrics.registry
         assert share.num_borrowed_jobs >= 1
-        assert registry.get_sample_value("specmesh_engine_jobs_lent") == share.num_borrowed_jobs  # the metrics say so
-        assert registry.get_sample_value("specmesh_engine_jobs") == share.num_jobs > share.num_borrowed_jobs
+        # the metrics say so (read between two looks at the counts: the lent-step timings may run a job meanwhile)
+        before = (share.num_jobs, share.num_borrowed_jobs)
+        scraped = (registry.get_sample_value("specmesh_engine_jobs"), registry.get_sample_value("specmesh_engine_jobs_lent"))
+        after = (share.num_jobs, share.num_borrowed_jobs)
+        assert all(b <= s <= a for b, s, a in zip(before, scraped, after)) and before[0] > before[1]
     assert threads == {"lender idle": [own + 1], "lender busy": [own]}
     assert fitted == [own + 1]  # the round on lent threads; not the one on its own
 
