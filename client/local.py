@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from specmesh.decoding.adaptive import AcceptanceMemory, AdaptiveK, FixedK
+from specmesh.decoding.adaptive import AcceptanceMemories, AdaptiveK, FixedK
 from specmesh.decoding.sampling import SamplingParams
 from specmesh.decoding.speculative import speculative_stream
 from specmesh.decoding.stats import SpecStats
@@ -48,15 +48,9 @@ class LocalGenerator:
         self.last_stats: SpecStats | None = None
         self.last_token_ids: list[int] = []  # the last generation's tokens, and why it ended (a FinishReason value)
         self.last_finish_reason: str | None = None
-        self._acceptance: dict[str, AcceptanceMemory] = {}  # a model drafter's acceptance over this generator's requests
-
-    def _memory(self, drafter: str, params: SamplingParams) -> AcceptanceMemory | None:
-        """What the adaptive k of a request drafted by `drafter` starts from: the acceptance of the earlier
-        requests (greedy and sampled apart), for a model drafter (its acceptance is the model pair's; an n-gram
-        lookup's is the prompt's)."""
-        if drafter not in SELF_DRAFTS:
-            return None
-        return self._acceptance.setdefault(f"{drafter}/{'greedy' if params.is_greedy else 'sampled'}", AcceptanceMemory())
+        # a self-draft's acceptance over this generator's requests, where its adaptive k starts (its acceptance is the
+        # model pair's; an n-gram lookup's is the prompt's: that starts from the prior)
+        self._acceptance = AcceptanceMemories()
 
     def prompt_ids(self, prompt: str, chat: bool = True) -> list[int]:
         return chat_prompt_ids(self.tokenizer, prompt) if chat else self.tokenizer.encode(prompt)
@@ -75,7 +69,10 @@ class LocalGenerator:
         draft = self._drafter(name)
         k_policy = None
         if draft is not None:
-            k_policy = FixedK(num_draft_tokens) if num_draft_tokens else AdaptiveK(memory=self._memory(name, params))
+            if num_draft_tokens:
+                k_policy = FixedK(num_draft_tokens)
+            else:
+                k_policy = self._acceptance.policy(name, params) if name in SELF_DRAFTS else AdaptiveK()
 
         def decode(tokens) -> str:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)

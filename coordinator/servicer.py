@@ -30,7 +30,7 @@ from servicekit.errors import Downstream, Unavailable, rpc_method
 from servicekit.metrics import ServiceMetrics
 from servicekit.process import process_info_pb
 from servicekit.streams import check_stream_interval, read_ahead
-from specmesh.decoding.adaptive import AcceptanceMemory, AdaptiveK, FixedK
+from specmesh.decoding.adaptive import AcceptanceMemories, FixedK
 from specmesh.decoding.async_driver import AsyncDrafter, TargetInfo, speculative_stream_async
 from specmesh.decoding.plan import Plan, choose_plan
 from specmesh.decoding.sampling import SamplingParams
@@ -77,9 +77,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.verify = verify
         self.draft = draft
         self.draft_costs = DraftCosts()  # what the Draft sessions said at open: deferred opens' prior (coordinator.driver)
-        # the acceptance of client rounds drafted by the Draft service or a cascade, per drafter, cascade and
-        # greedy / sampled: the next such request's adaptive k starts from it (AcceptanceMemory)
-        self.acceptance: dict[tuple[str, str, bool], AcceptanceMemory] = {}
+        # the acceptance of client rounds drafted by the Draft service or a cascade, per drafter and cascade ("service",
+        # "service+cascade:NAME"), greedy and sampled apart: the next such request's adaptive k starts from it
+        self.acceptance = AcceptanceMemories()
         self.metrics = metrics
         self.cascade = cascade or CascadeStages()  # no stages configured: a request naming one is refused
         # an encoder-decoder target (T5, BART, ...): the request's text is the encoder's input, and every
@@ -232,8 +232,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                             cascade_lambda=request.cascade_lambda if request.HasField("cascade_lambda") else None)
         k_policy = FixedK(request.num_draft_tokens) if request.num_draft_tokens and mode != "autoregressive" else None
         if k_policy is None and outer is not None and (drafter_kind == "service" or cascade):  # a model drafts here
-            key = (drafter_kind, request.cascade if cascade else "", params.is_greedy)
-            k_policy = AdaptiveK(memory=self.acceptance.setdefault(key, AcceptanceMemory()))
+            k_policy = self.acceptance.policy(f"{drafter_kind}+cascade:{request.cascade}" if cascade else drafter_kind, params)
         stream = speculative_stream_async(verifier, outer, prompt_ids, params, plan=plan, k_policy=k_policy,
                                           decode=self._decode)
         try:

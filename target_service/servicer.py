@@ -36,7 +36,7 @@ from servicekit.metrics import ServiceMetrics
 from servicekit.process import process_info_pb
 from servicekit.session_service import STATE_PRESERVING_ERRORS, SessionService
 from servicekit.streams import check_stream_interval, read_ahead
-from specmesh.decoding.adaptive import AcceptanceMemory, AdaptiveK
+from specmesh.decoding.adaptive import AcceptanceMemories, AdaptiveK
 from specmesh.decoding.proposal import DraftProposal
 from specmesh.decoding.sampling import SamplingParams, make_generator
 from specmesh.decoding.state import SpeculationState, draft_seed
@@ -77,7 +77,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
         self.fused_drafters = dict(fused_drafters or {})  # hosted for Step / Run, by name
         self.default_fused = next(iter(self.fused_drafters), "")  # the first: what a Step naming none drafts with
         # a hosted model drafter's acceptance over the sessions' rounds, greedy and sampled apart (AcceptanceMemory)
-        self._acceptance: dict[tuple[str, bool], AcceptanceMemory] = {}
+        self._acceptance = AcceptanceMemories()
         # sessions whose fused drafts run forwards on the engine thread: opened (event loop) and freed (engine
         # thread), each counted by one thread; their drafts are not batched across sessions (_fused_ms_per_token)
         self._forward_drafts_opened = self._forward_drafts_freed = 0
@@ -487,8 +487,8 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), drafter.device)[0], name, drafter)
             self._forward_drafts_opened += _drafts_forward(drafter)
             if isinstance(session.round.k_policy, AdaptiveK) and _drafts_forward(drafter):  # a model drafter's k starts
-                key = (name, session.target.params.is_greedy)  # from the acceptance of earlier sessions' rounds
-                session.round.k_policy = AdaptiveK(memory=self._acceptance.setdefault(key, AcceptanceMemory()))
+                session.round.k_policy = self._acceptance.policy(name, session.target.params)  # from the
+                # acceptance of earlier sessions' rounds
                 self._price_fused(session.round, drafter)
             elif name != self.default_fused:  # priced as the default at open
                 self._price_fused(session.round, drafter)

@@ -58,7 +58,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from specmesh.decoding.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,15 @@ class AcceptanceMemory:
             return False
         policy.acceptance, policy._trials = self.acceptance, max(self.trials, policy.acceptance_prior_trials)
         return True
+
+
+class AcceptanceMemories(dict):
+    """A process's `AcceptanceMemory` per drafter, greedy and sampled requests apart (their acceptance differs):
+    keys (drafter, greedy)."""
+
+    def policy(self, drafter: str, params: SamplingParams) -> AdaptiveK:
+        """An adaptive k for a request of `params` drafted by `drafter`, starting from what the earlier ones measured."""
+        return AdaptiveK(memory=self.setdefault((drafter, params.is_greedy), AcceptanceMemory()))
 
 
 @dataclass

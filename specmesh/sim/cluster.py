@@ -226,7 +226,7 @@ class RunStream:
     Verify service's `read_ahead` does; each message costs the service's RPC thread, crosses the link
     and is handled by the coordinator, which sends its tokens to the client, while the service steps on."""
 
-    def __init__(self, sim: Simulation, record: RequestRecord, link: NetLink, rpc: Process | None, max_new_tokens: int):
+    def __init__(self, sim: Simulation, record: RequestRecord, link: NetLink, rpc: Process | None):
         self.sim, self.record, self.link, self.rpc = sim, record, link, rpc
         self.interval_s = sim.config.stream_interval_ms / 1e3
         self.last_sent_s: float | None = None
@@ -267,7 +267,6 @@ class Simulation:
         # the live Coordinator's plan for this mode (`specmesh.decoding.plan`): who steps the rounds
         self.plan = choose_plan(PLAN_MODES[config.mode], drafter=config.mode != "autoregressive",
                                 server_rounds=config.server_rounds)
-        self.server_steps = self.plan.server_steps
 
         self.hosts: dict[str, Host] = {}
         self.rpc_threads: dict[str, Process] = {}  # service name -> its RPC thread, where its CPU per call is modelled
@@ -507,12 +506,12 @@ class Simulation:
         rounds = round_state(num_prompt, max_new_tokens, k_max)
         ahead = AheadRun(self._ahead_batcher(draft)) if self.draft_ahead and draft is not None else None
         last_hit = False  # the last round accepted every draft and the drafter's guess
-        stepped = self.server_steps and not rounds.finished  # one Run: the service steps every round itself
+        stepped = self.plan.server_steps and not rounds.finished  # one Run: the service steps every round itself
         if stepped:  # the Run request goes out once; rounds then follow each other on the service
             t = yield from self._handle(coordinator, t, 1)
             yield env.timeout(link.send_down(t, overhead) - env.now)
             yield from self._handle(target_rpc, env.now, 1)
-        stream = RunStream(self, record, link, target_rpc, max_new_tokens) if stepped else None
+        stream = RunStream(self, record, link, target_rpc) if stepped else None
         while not rounds.finished:
             k = rounds.next_k()
             context = num_prompt + generated

@@ -176,7 +176,7 @@ def test_the_verify_services_hosted_model_drafter_remembers_its_acceptance_acros
     for drafter in ("service", "ngram"):
         tokens, last = _run(_collect(cluster.ngram_here_address, _request(PROMPT, "speculative", drafter, 0)))
         assert tokens == expected
-    assert ("service", "", True) in coordinator.acceptance and not any(key[0] == "ngram" for key in coordinator.acceptance)
+    assert ("service", True) in coordinator.acceptance and not any(key[0] == "ngram" for key in coordinator.acceptance)
 
 
 def test_a_verify_service_hosting_two_drafters_drafts_with_the_one_named(cluster, tokenizer):
