@@ -72,7 +72,7 @@ class LocalGenerator:
             if num_draft_tokens:
                 k_policy = FixedK(num_draft_tokens)
             else:
-                k_policy = self._acceptance.policy(name, params) if name in SELF_DRAFTS else AdaptiveK()
+                k_policy = self._acceptance.policy(name, params.is_greedy) if name in SELF_DRAFTS else AdaptiveK()
 
         def decode(tokens) -> str:
             return self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -232,7 +232,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                             cascade_lambda=request.cascade_lambda if request.HasField("cascade_lambda") else None)
         k_policy = FixedK(request.num_draft_tokens) if request.num_draft_tokens and mode != "autoregressive" else None
         if k_policy is None and outer is not None and (drafter_kind == "service" or cascade):  # a model drafts here
-            k_policy = self.acceptance.policy(f"{drafter_kind}+cascade:{request.cascade}" if cascade else drafter_kind, params)
+            k_policy = self.acceptance.policy(f"{drafter_kind}+cascade:{request.cascade}" if cascade else drafter_kind, params.is_greedy)
         stream = speculative_stream_async(verifier, outer, prompt_ids, params, plan=plan, k_policy=k_policy,
                                           decode=self._decode)
         try:

@@ -487,7 +487,7 @@ class VerifyServicer(SessionService, verify_pb2_grpc.VerifyServiceServicer):
             session.fused = FusedDraft(state, make_generator(draft_seed(session.seed), drafter.device)[0], name, drafter)
             self._forward_drafts_opened += _drafts_forward(drafter)
             if isinstance(session.round.k_policy, AdaptiveK) and _drafts_forward(drafter):  # a model drafter's k starts
-                session.round.k_policy = self._acceptance.policy(name, session.target.params)  # from the
+                session.round.k_policy = self._acceptance.policy(name, session.target.params.is_greedy)  # from the
                 # acceptance of earlier sessions' rounds
                 self._price_fused(session.round, drafter)
             elif name != self.default_fused:  # priced as the default at open

@@ -58,10 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from specmesh.decoding.sampling import SamplingParams
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -200,9 +197,9 @@ class AcceptanceMemories(dict):
     """A process's `AcceptanceMemory` per drafter, greedy and sampled requests apart (their acceptance differs):
     keys (drafter, greedy)."""
 
-    def policy(self, drafter: str, params: SamplingParams) -> AdaptiveK:
-        """An adaptive k for a request of `params` drafted by `drafter`, starting from what the earlier ones measured."""
-        return AdaptiveK(memory=self.setdefault((drafter, params.is_greedy), AcceptanceMemory()))
+    def policy(self, drafter: str, greedy: bool) -> AdaptiveK:
+        """An adaptive k for a request drafted by `drafter`, starting from what the earlier ones measured."""
+        return AdaptiveK(memory=self.setdefault((drafter, greedy), AcceptanceMemory()))
 
 
 @dataclass
