@@ -180,18 +180,18 @@ def test_plain_stretches_grow_while_drafts_do_not_pay_and_end_at_a_verified_draf
 
 def test_the_verifiers_known_token_cost_prices_a_requests_first_draft():
     """A verifier that has fitted its forwards' cost (earlier requests' rounds) hands it to each new
-    request's policy before its first round: an unproved match (the prior's 1 in 9) is withheld at a
-    CPU's beta of 0.16, where the prior beta (0.1) would let it through."""
+    request's policy before its first round: an unproved match (the prior's 1 in 6) is withheld at the
+    beta of a low-bit target on a CPU (0.25), where the prior beta (0.1) would let it through."""
     first_round = AdaptiveK()
     assert first_round.pays(_prior_mean())  # the prior beta: an unproved match is verified
     informed = AdaptiveK()
-    informed.prior_costs(None, None, forward_cost=ForwardCost(fixed_ms=9.2, ms_per_token=1.8))
-    assert informed.beta == pytest.approx(1.8 / 11.0) and not informed.pays(_prior_mean())
+    informed.prior_costs(None, None, forward_cost=ForwardCost(fixed_ms=6.0, ms_per_token=2.0))
+    assert informed.beta == pytest.approx(2.0 / 8.0) and not informed.pays(_prior_mean())
     informed.update(0, 0, 0.0, 11.0, ForwardCost(fixed_ms=9.0, ms_per_token=1.0))  # later rounds average in
-    assert 1.0 / 10.0 < informed.beta < 1.8 / 11.0
+    assert 1.0 / 10.0 < informed.beta < 2.0 / 8.0
     late = AdaptiveK()
     late.update(0, 0, 0.0, 11.0, ForwardCost(fixed_ms=9.0, ms_per_token=1.0))
-    late.prior_costs(None, None, forward_cost=ForwardCost(fixed_ms=9.2, ms_per_token=1.8))  # rounds measured first
+    late.prior_costs(None, None, forward_cost=ForwardCost(fixed_ms=6.0, ms_per_token=2.0))  # rounds measured first
     assert late.beta == pytest.approx(0.1)
 
 
