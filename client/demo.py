@@ -9,8 +9,8 @@
    through the Coordinator with the `specmesh` client library (both drafted on the Verify service, which
    hosts the bf16 self-draft and prompt lookup: `model_placement` / `ngram_placement: verify`, as on one
    host the two processes share the cores and memory bandwidth a Draft service would need to draft
-   while the target verifies), and each is timed in CLUSTER_PAIRS pairs:
-   the same request in-process and through the cluster back to back, so a ratio's two sides see the
+   while the target verifies), and each is timed in CLUSTER_PAIRS pairs: the same request in-process
+   and through the cluster one after the other (SETTLE_S apart), so a ratio's two sides see the
    machine's speed of one moment. Then the coordinator's totals, and the cluster is stopped.
 3. Skeleton-of-Thought through the same Coordinator: a 4-point plan (forced whole: the 135M model
    copies the prompt's example plan when left alone), its branches forked from the plan's session
@@ -44,6 +44,12 @@ TIMED_RUNS = 3  # runs timed per in-process line, speculative against plain deco
 # spread 0.96-1.34x within one demo on a shared 2-core VM, so three left the printed figure to one pair; with five the
 # passage line's median read 0.91x-1.22x over nine demos on one day (2026-11-29), so nine
 CLUSTER_PAIRS = 9
+# a pause before each timed request of a pair: after a forward, an OpenMP team's threads spin on their cores for a
+# while (libgomp's default: ~10 ms of a core measured here after the in-process side's last forward; the cluster's
+# model processes ~3.5 ms, GOMP_SPINCOUNT=20000), so the side timed next would start on cores still busy with the
+# other side's spinning: the Verify service's prefill read 123-153 ms right after an in-process request, 114-121
+# right after its own (in-process: 115-127), and 120 / 119 ms medians with a 30 ms pause (open_ab probe, 2026-11-29)
+SETTLE_S = 0.05
 
 
 @dataclass
@@ -91,7 +97,8 @@ def _timed(fn):
 
 
 def _in_process_s(generator, run: Run) -> float:
-    """Wall time of the run's request in-process, with its drafter."""
+    """Wall time of the run's request in-process, with its drafter (after SETTLE_S)."""
+    time.sleep(SETTLE_S)
     params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
     return _timed(lambda: "".join(generator.stream_text(run.prompt, params, drafter=run.drafter)))[1]
 
@@ -117,13 +124,14 @@ async def _through_the_coordinator(address: str, runs: list[Run], generator) -> 
             request = dict(mode="speculative", drafter=drafter, max_new_tokens=MAX_NEW_TOKENS)
             result = await client.collect(prompt, **request, on_text=printer())
             print(f"\n[through the coordinator, {drafter} drafts] {stats_line(result)}")
-            # timed in pairs, the same request in-process and through the cluster back to back (the order
+            # timed in pairs, the same request in-process and through the cluster one after the other (the order
             # alternating), so both sides of a ratio see the same moment of a shared machine's speed; each side
             # collects the whole answer (the cluster's, `collect` without on_text: no messages in between)
             in_process_s, cluster_s = [], []
             for repeat in range(CLUSTER_PAIRS):
                 if repeat % 2:
                     in_process_s.append(_in_process_s(generator, run))
+                time.sleep(SETTLE_S)
                 cluster_s.append((await client.collect(prompt, **request)).latency_s)
                 if not repeat % 2:
                     in_process_s.append(_in_process_s(generator, run))
@@ -132,9 +140,9 @@ async def _through_the_coordinator(address: str, runs: list[Run], generator) -> 
             ratios = sorted(c / i for c, i in zip(cluster_s, in_process_s, strict=True))
             print(f"  -> in-process {num_tokens / statistics.median(in_process_s):.1f} tok/s vs cluster "
                   f"{num_tokens / statistics.median(cluster_s):.1f} tok/s (whole answers; medians of {CLUSTER_PAIRS} pairs, each "
-                  f"pair's two requests back to back): the cluster takes {statistics.median(ratios):.2f}x the in-process wall "
-                  f"time per token (the median pair's; the pairs' {ratios[0]:.2f}x-{ratios[-1]:.2f}x); output {same} "
-                  "to in-process")
+                  f"pair's two requests one after the other, {SETTLE_S * 1e3:.0f} ms apart): the cluster takes "
+                  f"{statistics.median(ratios):.2f}x the in-process wall time per token (the median pair's; the pairs' "
+                  f"{ratios[0]:.2f}x-{ratios[-1]:.2f}x); output {same} to in-process")
         stats = await client.stats()
         print(f"\ncoordinator totals: {stats.num_requests} requests, {stats.num_generated_tokens} tokens, acceptance "
               f"{stats.totals.acceptance_rate:.0%}, mean accepted length {stats.totals.mean_accepted_length:.2f}; replicas: "
