@@ -13,7 +13,8 @@ prompts, everything in-process. Steps:
    pipelines n-gram -> fp32 and mid -> fp32 (model drafter), adaptive k; the 3-stage n-gram -> mid
    (a Stage, extending 1 token) -> fp32, adaptive k; the shipped cascade's levels in one process (n-gram
    -> bf16 Stage filling the target's k -> fp32: configs/local-cascade.yaml with no service in between,
-   the most its cluster could reach), adaptive k and k = 4 fixed; and the levels it shipped before
+   the most its cluster could reach), adaptive k and k = 4 fixed, and adaptive k with its stage running every
+   round (`CascadeBook.pass_agreed` off: a stage that agreed with a whole draft sits out otherwise); and the levels it shipped before
    (int8 model drafter -> bf16 Stage extending 1 token -> fp32), adaptive k.
 3. Adaptive (lossy, opt-in): MID (a Stage extending 4 tokens, no base: the chunks the predictor was
    trained on, `specmesh cascade collect --chunk-tokens 4`) -> fp32 with k = 4, one chunk per round;
@@ -138,8 +139,9 @@ def main() -> int:
     from specmesh.cascade.predictor import AgreementPredictor
     predictor = AgreementPredictor.load(predictor_path, expected_stages=identities)
 
-    def shipped_cascade() -> CascadeDrafter:
-        return CascadeDrafter(PromptLookupDrafter(), [StageModel(variants["bf16"])], [StageSpec(fill=True)])
+    def shipped_cascade(pass_agreed: bool = True) -> CascadeDrafter:
+        return CascadeDrafter(PromptLookupDrafter(), [StageModel(variants["bf16"])], [StageSpec(fill=True)],
+                              pass_agreed=pass_agreed)
 
     lossless: dict[str, Callable[[], tuple[Drafter | None, KPolicy | None]]] = {
         "target-only": lambda: (None, None),
@@ -150,6 +152,8 @@ def main() -> int:
         # adaptive k, and k = 4 fixed, which drafts on every round whatever the costs say
         "3-stage ngram->bf16 fill->fp32 (shipped levels)": lambda: (shipped_cascade(), AdaptiveK()),
         "3-stage ngram->bf16 fill->fp32, k = 4 fixed": lambda: (shipped_cascade(), FixedK(ADAPTIVE_K)),
+        # the same levels with the stage running every round (`CascadeBook.pass_agreed` off), as before 2026-11-29
+        "3-stage ngram->bf16 fill->fp32, the stage never sitting out": lambda: (shipped_cascade(pass_agreed=False), AdaptiveK()),
         "3-stage int8->bf16->fp32 (levels shipped before)": lambda: (
             CascadeDrafter(ModelDrafter(variants["int8"]), [StageModel(variants["bf16"])], [StageSpec(1)]), AdaptiveK()),
     }

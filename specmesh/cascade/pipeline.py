@@ -182,12 +182,13 @@ class CascadeDrafter:
     name = "cascade"
 
     def __init__(self, base: Drafter | None, stages: Sequence[Stage], specs: Sequence[StageSpec] | None = None, *,
-                 stopper: AdaptiveStopper | None = None, lam: float | None = None):
+                 stopper: AdaptiveStopper | None = None, lam: float | None = None, pass_agreed: bool = True):
         self.base = base
         self.stages = list(stages)
         self.specs = _check_specs(len(self.stages), specs)
         _check_stopper(stopper, len(self.stages))
         self.stopper = stopper  # None: lossless; else adaptive (lossy unless lam is inf)
+        self.pass_agreed = pass_agreed and stopper is None  # `CascadeBook.pass_agreed`
         self.lam = lam  # lambda of the sessions opened from now on; None = the stopper's default
         self.device = base.device if base is not None else torch.device("cpu")  # of the generator `propose` gets
         self.last_state: CascadeState | None = None  # the session opened last: its stage stats
@@ -248,7 +249,7 @@ class CascadeDrafter:
             stage_generator, _ = make_generator(stage_seed(seed, i), stage.device)
             state.stages.append(stage.open(state.prompt_ids, params, stage_generator))
         state.book = CascadeBook(self.specs, [stage.max_context for stage in self.stages], len(state.prompt_ids),
-                                 keep_q=params.needs_q)
+                                 keep_q=params.needs_q, pass_agreed=self.pass_agreed)
         if self.stopper is not None:
             state.stopping = ChunkStopping(self.stopper, len(self.stages), len(state.prompt_ids), self.lam)
 
@@ -265,12 +266,13 @@ class AsyncCascadeDrafter:
 
     def __init__(self, base: AsyncDrafter | None, stages: Sequence[AsyncStage], specs: Sequence[StageSpec] | None = None,
                  is_stage_failure: Callable[[int, BaseException], bool] = lambda index, exc: False, *,
-                 stopper: AdaptiveStopper | None = None, lam: float | None = None):
+                 stopper: AdaptiveStopper | None = None, lam: float | None = None, pass_agreed: bool = True):
         self.base = base
         self.stages = list(stages)
         self.specs = _check_specs(len(self.stages), specs)
         _check_stopper(stopper, len(self.stages))
         self.stopper = stopper  # None: lossless; else adaptive (lossy unless lam is inf)
+        self.pass_agreed = pass_agreed and stopper is None  # `CascadeBook.pass_agreed`
         self.lam = lam  # None = the stopper's default
         self.is_stage_failure = is_stage_failure
         self.last_state: CascadeState | None = None  # the session opened last: its `stage_stats` (the Coordinator builds one per request)
@@ -299,7 +301,8 @@ class AsyncCascadeDrafter:
         except BaseException:
             await self.close(state)
             raise
-        state.book = CascadeBook(self.specs, max_contexts, len(prompt), keep_q=params.needs_q)
+        state.book = CascadeBook(self.specs, max_contexts, len(prompt), keep_q=params.needs_q,
+                                 pass_agreed=self.pass_agreed)
         for i in failed:
             state.book.retire(i)
         if self.stopper is not None:

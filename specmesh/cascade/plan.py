@@ -23,6 +23,13 @@ to be worth it. A filling stage (`StageSpec.fill`) goes on until its proposal ho
 cap: below a stage that pays as a drafter, a free base (prompt lookup) that often has nothing to offer
 costs nothing, and the stage drafts the rest itself, to the k the target's policy chose.
 
+Passing a stage by. A stage that accepted the whole of a lower draft that filled its cap (a prompt
+lookup copying the prompt) sits out the next rounds (`pass_agreed`): the lower draft goes up as it is,
+while the target keeps accepting all of it, and the stage runs again, taking in what it missed in one
+forward, at the first round the target did not. Its forward over a draft it would pass whole is pure
+cost (a bf16 stage, 0.6 of an fp32 target step here). Only lossless cascades whose q travels nowhere
+(greedy, coupled) pass: a standard-sampling proposal must carry the stage's q.
+
 Exactness (sampling). Stage i emits the accepted prefix of the lower draft, then its own tokens. By
 the speculative sampling theorem each emitted token y_j is distributed as the stage's processed p
 given y_<j — whatever the lower draft was, a one-hot n-gram draft included. So the q that goes up is
@@ -118,6 +125,7 @@ class StageStats:
     num_draft_tokens: int = 0  # lower-draft tokens it verified
     num_accepted_tokens: int = 0  # of those, accepted
     num_proposed_tokens: int = 0  # tokens it sent up (after the cap)
+    num_passed: int = 0  # rounds it sat out, the lower draft going up as it was (`CascadeBook.pass_agreed`)
     stage_ms: float = 0.0
     retired: bool = False  # out of the session: no room left, or its service failed (the cascade went on without it)
     # adaptive cascade only (`specmesh.cascade.chunk_stopping`; all 0 in a lossless one):
@@ -160,18 +168,24 @@ class CascadeBook:
     max_contexts: list[int]  # each stage's context window, tokens
     num_confirmed: int  # prompt + every token the target emitted
     keep_q: bool  # standard sampling: q goes up with each proposal; greedy, coupled: None
+    pass_agreed: bool = True  # a stage that agreed with a whole lower draft sits out while the target does (module
+    # docstring); an adaptive (lossy) cascade's stopper judges every stage's chunk, so it passes none
     stats: list[StageStats] = field(default_factory=list)
     _untold: list[list[int]] = field(default_factory=list)
     _caps: list[int] = field(default_factory=list)
     _extend: list[int] = field(default_factory=list)
     _fill: list[int] = field(default_factory=list)
     _base_draft: list[int] = field(default_factory=list)
+    _agreed: list[bool] = field(default_factory=list)  # stage -> it passes lower drafts by (`pass_agreed`)
+    _passed: list[list[int] | None] = field(default_factory=list)  # stage -> the draft it let by last round
 
     def __post_init__(self):
         if len(self.specs) != len(self.max_contexts):
             raise ValueError(f"{len(self.specs)} stage specs for {len(self.max_contexts)} stages")
         self.stats = [StageStats() for _ in self.specs]
         self._untold = [[] for _ in self.specs]
+        self._agreed = [False] * len(self.specs)
+        self._passed = [None] * len(self.specs)
 
     @property
     def num_stages(self) -> int:
@@ -187,6 +201,9 @@ class CascadeBook:
         for i, stats in enumerate(self.stats):
             if not stats.retired:
                 self._untold[i].extend(accepted)
+            passed, self._passed[i] = self._passed[i], None
+            if passed is not None and accepted[:len(passed)] != passed:  # the target cut the draft it let by:
+                self._agreed[i] = False  # it runs again
         self._caps = [0] * self.num_stages + [max_tokens]
         self._extend = [0] * self.num_stages
         self._fill = [0] * self.num_stages
@@ -218,6 +235,10 @@ class CascadeBook:
         if self._extend[index] == 0:
             return None
         draft, _ = lower.capped(self._caps[index])
+        if self._agreed[index] and draft.num_tokens >= self._caps[index + 1]:  # it would pass the draft whole: sits out
+            self._passed[index] = list(draft.token_ids)
+            self.stats[index].num_passed += 1
+            return None
         accepted, self._untold[index] = self._untold[index], []
         return StageCall(accepted, draft, self._extend[index], self._fill[index])
 
@@ -233,11 +254,14 @@ class CascadeBook:
         stats.num_accepted_tokens += out.num_accepted
         stats.num_proposed_tokens += len(tokens)
         stats.stage_ms += stage_ms
+        whole = 0 < call.draft.num_tokens == out.num_accepted and call.draft.num_tokens >= cap  # it took all, and all fit
+        self._agreed[index] = self.pass_agreed and not self.keep_q and whole
         return DraftProposal(tokens, out.q[:len(tokens)] if self.keep_q and out.q is not None else None)
 
     def retire(self, index: int) -> None:
         """Stage `index` takes no further part (no room left, or it failed): proposals pass it by."""
         self.stats[index].retired = True
         self._untold[index] = []
+        self._agreed[index], self._passed[index] = False, None
         if self._extend:
             self._extend[index] = 0

@@ -96,6 +96,79 @@ def test_a_filling_stage_is_asked_for_the_level_aboves_cap():
     assert top is not None and (top.draft.token_ids, top.fill_to) == ([4, 5, 6], 0)
 
 
+def test_a_stage_that_agreed_with_a_whole_draft_sits_out_while_the_target_does():
+    """`CascadeBook.pass_agreed`: stage 0 accepts the whole of a lower draft that fills its cap, so the next
+    drafts go up past it as they are; when the target cuts one, the stage runs again and is told every token
+    it missed in that one call."""
+    book = CascadeBook([StageSpec(fill=True)], [64], num_confirmed=10, keep_q=False)
+    book.start_round([100], 4)
+    call = book.stage_call(0, book.base_proposed(DraftProposal([1, 2, 3, 4])))
+    assert call is not None
+    book.stage_done(0, call, StageOutput(4, [1, 2, 3, 4], None, []))  # all 4 of 4 accepted
+    book.start_round([1, 2, 3, 4, 9], 4)  # the target took them all
+    assert book.stage_call(0, book.base_proposed(DraftProposal([5, 6, 7, 8]))) is None  # passed up as it is
+    book.start_round([5, 6, 7, 8, 10], 4)  # the target took the passed draft whole: still passing
+    assert book.stage_call(0, book.base_proposed(DraftProposal([11, 12, 13]))) is not None  # short of the cap: filled
+    book.start_round([11, 12, 13, 14], 4)  # (that call's output is not recorded: the stage stays passing)
+    assert book.stage_call(0, book.base_proposed(DraftProposal([15, 16, 17, 18]))) is None
+    book.start_round([15, 20], 4)  # the target cut the passed draft after one token
+    call = book.stage_call(0, book.base_proposed(DraftProposal([21, 22, 23, 24])))
+    assert call is not None and call.accepted == [11, 12, 13, 14, 15, 20]  # what it missed since its last call
+    assert book.stats[0].num_passed == 2
+
+
+@pytest.mark.parametrize("keep_q, pass_agreed, accepted", [(True, True, 4), (False, False, 4), (False, True, 3)])
+def test_a_stage_runs_every_round_unless_it_agreed_and_its_q_travels_nowhere(keep_q, pass_agreed, accepted):
+    """Standard sampling (q goes up with each proposal: a passed draft would carry the base's), a cascade
+    that passes nothing (an adaptive one), or a stage that cut the lower draft: no round is sat out."""
+    book = CascadeBook([StageSpec()], [64], num_confirmed=10, keep_q=keep_q, pass_agreed=pass_agreed)
+    q = torch.full((4, 8), 1 / 8) if keep_q else None
+    book.start_round([100], 4)
+    call = book.stage_call(0, book.base_proposed(DraftProposal([1, 2, 3, 4], q)))
+    assert call is not None
+    book.stage_done(0, call, StageOutput(accepted, [1, 2, 3, 4][:accepted] + [9][:4 - accepted], q, []))
+    book.start_round([1, 2, 3, 4, 9][:accepted + 1], 4)
+    assert book.stage_call(0, book.base_proposed(DraftProposal([5, 6, 7, 8], q))) is not None
+
+
+class Knowing:
+    """A base drafter that proposes the target's own greedy tokens (`own`), wrong at the positions in `wrong`."""
+
+    name = "knowing"
+    device = torch.device("cpu")
+
+    def __init__(self, own: list[int], wrong: set[int]):
+        self.own, self.wrong = own, wrong
+
+    def open(self, prompt_ids):
+        return [0]  # tokens emitted so far
+
+    def check_call(self, state, accepted_since_last, max_tokens):
+        pass
+
+    def propose(self, state, accepted_since_last, max_tokens, params, generator):
+        state[0] += len(accepted_since_last)
+        start = state[0]
+        return DraftProposal([t + (i in self.wrong) for i, t in enumerate(self.own[start:start + max_tokens], start)])
+
+    def close(self, state):
+        pass
+
+
+@pytest.mark.parametrize("wrong", [set(), {9, 22}])
+def test_a_lossless_cascade_that_passes_a_stage_by_is_exact(engines, wrong):
+    """Greedy through a base that knows the target's tokens (two of them wrong, or none) -> a stage with the
+    target's weights -> the target: the stage agrees with the base's whole drafts, so it sits out rounds,
+    runs again where the target cuts a passed draft, and the tokens are the target's alone."""
+    target = engines["target"]
+    own = generate(TargetVerifier(target), None, PROMPT, GREEDY).token_ids
+    drafter = CascadeDrafter(Knowing(own, wrong), [StageModel(target)], [StageSpec(fill=True)])
+    result = generate(TargetVerifier(target), drafter, PROMPT, GREEDY, k_policy=FixedK(4))
+    assert result.token_ids == own
+    stats = drafter.last_state.stage_stats[0]
+    assert stats.num_passed > 0 and stats.num_rounds == 1 + len(wrong)  # it ran at first, and once after each cut
+
+
 def test_a_filling_stage_drafts_what_the_lower_draft_did_not_give(engines):
     """StageModel.verify_and_extend(fill_to=f): at least m own tokens, and up to f in all; the tokens are
     the stage model's own greedy continuation."""
