@@ -72,7 +72,7 @@ class GenerationStats:
     drafter: str = ""  # the drafter that finished the request ("" = target only)
     num_failovers: int = 0
     failovers: list[str] = field(default_factory=list)  # e.g. "draft -> ngram"
-    cascade: list[str] = field(default_factory=list)  # per Stage service: "address: accepted/verified, rounds"
+    cascade: list[str] = field(default_factory=list)  # per Stage service: "address: accepted/verified, rounds, sat out"
     lossy: bool = False  # an opt-in lossy mode produced some of the tokens
     plan: str = ""  # how the request ran (`specmesh.decoding.plan.Plan` value; docs/architecture.md)
 
@@ -82,7 +82,8 @@ class GenerationStats:
                    list(pb.accepted_per_position), pb.mean_accepted_length or 1.0, pb.tokens_per_s, pb.draft_ms,
                    pb.verify_ms, pb.num_target_forwards, pb.seed, pb.drafter, pb.num_failovers, list(pb.failovers),
                    [f"{s.stage}: accepted {s.num_accepted_tokens}/{s.num_draft_tokens} in {s.num_rounds} rounds"
-                    + (" (retired)" if s.retired else "") for s in pb.cascade_stages], pb.lossy, pb.plan)
+                    + (f", sat out {s.num_passed}" if s.num_passed else "") + (" (retired)" if s.retired else "")
+                    for s in pb.cascade_stages], pb.lossy, pb.plan)
 
     @property
     def acceptance_rate(self) -> float:

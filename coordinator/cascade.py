@@ -162,7 +162,8 @@ def cascade_stats_pb(cascade: NamedCascade) -> list[common_pb2.CascadeStageStats
     return [common_pb2.CascadeStageStats(stage=name, num_rounds=s.num_rounds, num_draft_tokens=s.num_draft_tokens,
                                          num_accepted_tokens=s.num_accepted_tokens, num_proposed_tokens=s.num_proposed_tokens,
                                          stage_ms=s.stage_ms, retired=s.retired, num_chunks_stopped=s.num_chunks_stopped,
-                                         num_chunks_judged=s.num_chunks_judged, num_chunks_agreed=s.num_chunks_agreed)
+                                         num_chunks_judged=s.num_chunks_judged, num_chunks_agreed=s.num_chunks_agreed,
+                                         num_passed=s.num_passed)
             for name, s in zip(cascade.names, state.stage_stats)]
 
 

@@ -323,3 +323,21 @@ def test_sampled_cascade_follows_the_target(engines, base, stages, fill):
     pvalue, num_cells = chi_square_pvalue(counts, expected, NUM_TRIALS)
     assert pvalue > 1e-3, (pvalue, counts, expected)
     assert num_cells >= 10  # the test has power: many well-populated cells
+
+
+def test_the_rounds_a_stage_sat_out_reach_the_callers_stats():
+    """The Coordinator reports each stage's `num_passed` (CascadeStageStats), and the client library says it."""
+    from types import SimpleNamespace
+
+    from client.coordinator_client import GenerationStats
+    from coordinator.cascade import NamedCascade, cascade_stats_pb
+    from specmesh.cascade.plan import StageStats
+    from specmesh.proto.v1 import common_pb2
+
+    cascade = NamedCascade(["127.0.0.1:7"], None, [object()])
+    cascade.last_state = SimpleNamespace(stage_stats=[StageStats(num_rounds=2, num_draft_tokens=8, num_accepted_tokens=8,
+                                                                 num_passed=3)])
+    (stage,) = cascade_stats_pb(cascade)
+    assert (stage.stage, stage.num_rounds, stage.num_passed) == ("127.0.0.1:7", 2, 3)
+    stats = GenerationStats.from_pb(common_pb2.SpeculationStats(cascade_stages=[stage]))
+    assert stats.cascade == ["127.0.0.1:7: accepted 8/8 in 2 rounds, sat out 3"]

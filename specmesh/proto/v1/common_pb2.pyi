@@ -424,6 +424,7 @@ class CascadeStageStats(_message.Message):
     NUM_CHUNKS_STOPPED_FIELD_NUMBER: _builtins.int
     NUM_CHUNKS_JUDGED_FIELD_NUMBER: _builtins.int
     NUM_CHUNKS_AGREED_FIELD_NUMBER: _builtins.int
+    NUM_PASSED_FIELD_NUMBER: _builtins.int
     stage: _builtins.str
     """its address (or name)"""
     num_rounds: _builtins.int
@@ -444,6 +445,8 @@ class CascadeStageStats(_message.Message):
     """chunks that went on to the next level, which judged them"""
     num_chunks_agreed: _builtins.int
     """of those, the next level agreed with the whole chunk"""
+    num_passed: _builtins.int
+    """rounds it sat out, the lower draft going up as it was (lossless: it"""
     def __init__(
         self,
         *,
@@ -457,10 +460,11 @@ class CascadeStageStats(_message.Message):
         num_chunks_stopped: _builtins.int = ...,
         num_chunks_judged: _builtins.int = ...,
         num_chunks_agreed: _builtins.int = ...,
+        num_passed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_accepted_tokens", b"num_accepted_tokens", "num_chunks_agreed", b"num_chunks_agreed", "num_chunks_judged", b"num_chunks_judged", "num_chunks_stopped", b"num_chunks_stopped", "num_draft_tokens", b"num_draft_tokens", "num_proposed_tokens", b"num_proposed_tokens", "num_rounds", b"num_rounds", "retired", b"retired", "stage", b"stage", "stage_ms", b"stage_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_accepted_tokens", b"num_accepted_tokens", "num_chunks_agreed", b"num_chunks_agreed", "num_chunks_judged", b"num_chunks_judged", "num_chunks_stopped", b"num_chunks_stopped", "num_draft_tokens", b"num_draft_tokens", "num_passed", b"num_passed", "num_proposed_tokens", b"num_proposed_tokens", "num_rounds", b"num_rounds", "retired", b"retired", "stage", b"stage", "stage_ms", b"stage_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
