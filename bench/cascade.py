@@ -9,7 +9,8 @@ prompts, everything in-process. Steps:
    and on k + 1 = 5 tokens after 150 cached tokens (3 interleaved rounds of 3-forward medians; the best
    round, as contention from other jobs only adds time). The middle stage MID is the cheaper of int8
    and bf16 by this measurement; the base is the n-gram (prompt lookup, free).
-2. Lossless (each must emit exactly the target-only tokens; checked): target-only decoding; the 2-stage
+2. Lossless (each must emit exactly the target-only tokens; checked; a row drafted by a model keeps its adaptive
+   k's acceptance across the run's requests, as the Coordinator does): target-only decoding; the 2-stage
    pipelines n-gram -> fp32 and mid -> fp32 (model drafter), adaptive k; the 3-stage n-gram -> mid
    (a Stage, extending 1 token) -> fp32, adaptive k; the shipped cascade's levels in one process (n-gram
    -> bf16 Stage filling the target's k -> fp32: configs/local-cascade.yaml with no service in between,
@@ -54,7 +55,7 @@ from specmesh.cascade.pipeline import CascadeDrafter  # noqa: E402
 from specmesh.cascade.plan import StageSpec  # noqa: E402
 from specmesh.cascade.policy import AdaptiveStopper  # noqa: E402
 from specmesh.cascade.stage_model import StageModel  # noqa: E402
-from specmesh.decoding.adaptive import AdaptiveK, FixedK, KPolicy  # noqa: E402
+from specmesh.decoding.adaptive import AcceptanceMemories, AdaptiveK, FixedK, KPolicy  # noqa: E402
 from specmesh.decoding.proposal import Drafter  # noqa: E402
 from specmesh.decoding.sampling import SamplingParams  # noqa: E402
 from specmesh.decoding.speculative import generate  # noqa: E402
@@ -143,19 +144,30 @@ def main() -> int:
         return CascadeDrafter(PromptLookupDrafter(), [StageModel(variants["bf16"])], [StageSpec(fill=True)],
                               pass_agreed=pass_agreed)
 
+    # a row drafted by a model (a model drafter, or a stage) keeps its acceptance across requests, as the Coordinator and
+    # in-process generation keep a model drafter's or a cascade's (`AcceptanceMemories`): without it each request's
+    # adaptive k starts from acceptance 0.7, where at a bf16 stage's cost its gate sits at the edge (one run drafted
+    # little, 0.85x input-grounded, another minutes before 1.52x); the n-gram row starts afresh, as they do
+    memories = AcceptanceMemories()
+
+    def remembered(row: str) -> AdaptiveK:
+        return memories.policy(row, greedy=True)
+
     lossless: dict[str, Callable[[], tuple[Drafter | None, KPolicy | None]]] = {
         "target-only": lambda: (None, None),
         "2-stage ngram->fp32": lambda: (PromptLookupDrafter(), AdaptiveK()),
-        f"2-stage {mid_name}->fp32": lambda: (ModelDrafter(mid), AdaptiveK()),
-        f"3-stage ngram->{mid_name}->fp32": lambda: (CascadeDrafter(PromptLookupDrafter(), [StageModel(mid)], [StageSpec(1)]), AdaptiveK()),
+        f"2-stage {mid_name}->fp32": lambda: (ModelDrafter(mid), remembered(f"2-stage {mid_name}")),
+        f"3-stage ngram->{mid_name}->fp32": lambda: (CascadeDrafter(PromptLookupDrafter(), [StageModel(mid)], [StageSpec(1)]),
+                                                     remembered(f"3-stage {mid_name}")),
         # the levels configs/local-cascade.yaml ships (an n-gram Draft service, a bf16 Stage filling the target's k):
         # adaptive k, and k = 4 fixed, which drafts on every round whatever the costs say
-        "3-stage ngram->bf16 fill->fp32 (shipped levels)": lambda: (shipped_cascade(), AdaptiveK()),
+        "3-stage ngram->bf16 fill->fp32 (shipped levels)": lambda: (shipped_cascade(), remembered("shipped")),
         "3-stage ngram->bf16 fill->fp32, k = 4 fixed": lambda: (shipped_cascade(), FixedK(ADAPTIVE_K)),
         # the same levels with the stage running every round (`CascadeBook.pass_agreed` off), as before 2026-11-29
-        "3-stage ngram->bf16 fill->fp32, the stage never sitting out": lambda: (shipped_cascade(pass_agreed=False), AdaptiveK()),
+        "3-stage ngram->bf16 fill->fp32, the stage never sitting out": lambda: (shipped_cascade(pass_agreed=False),
+                                                                               remembered("shipped, never sitting out")),
         "3-stage int8->bf16->fp32 (levels shipped before)": lambda: (
-            CascadeDrafter(ModelDrafter(variants["int8"]), [StageModel(variants["bf16"])], [StageSpec(1)]), AdaptiveK()),
+            CascadeDrafter(ModelDrafter(variants["int8"]), [StageModel(variants["bf16"])], [StageSpec(1)]), remembered("int8")),
     }
     adaptive_names = {lam: f"adaptive lambda={lam_name(lam)}" for lam in lambdas}
     sets = {"input-grounded": GROUNDED_PROMPTS, "chat": CHAT_PROMPTS}
